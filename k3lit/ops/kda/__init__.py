@@ -1,0 +1,94 @@
+"""Kimi Delta Attention: one public op with three faces (float64-able reference, chunked PyTorch,
+Triton) and the bounded-gate safety checks. See ``README.md`` in this folder for the math."""
+
+from __future__ import annotations
+
+import torch
+
+from k3lit.ops.kda.chunk import kda_chunk
+from k3lit.ops.kda.gate import bounded_log_decay, softplus_log_decay
+from k3lit.ops.kda.reference import kda_reference
+from k3lit.ops.kda.validate import check_gate_bound, check_inputs, largest_safe_chunk
+
+BACKENDS = ("auto", "torch", "reference", "triton")
+
+
+def triton_available() -> bool:
+    """True when the Triton KDA kernels can be imported and a CUDA device (or the interpreter) exists."""
+    import os
+
+    try:
+        import k3lit.kernels.kda  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+    *,
+    g_min: float = -5.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention (gated delta rule with per-channel decay), chunked.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys, any float dtype (the layer L2-normalises them).
+        v: ``[B, T, H, V]`` values.
+        g: ``[B, T, H, K]`` per-channel log-decay in ``[g_min, 0]`` (natural-log units), e.g. from
+            :func:`k3lit.ops.bounded_log_decay`.
+        beta: ``[B, T, H]`` write strength in ``(0, 1)``.
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` float32 state (N = B, or number of sequences with cu_seqlens).
+        output_final_state: also return the ``[N, H, K, V]`` float32 state after the last token.
+        cu_seqlens: ``[N + 1]`` int64 cumulative lengths of a packed batch (B = 1).
+        backend: ``"auto"`` (Triton on CUDA, chunked PyTorch elsewhere), ``"torch"``, ``"reference"``
+            (token-by-token recurrence) or ``"triton"``.
+        g_min: the lower bound the gate guarantees; with ``chunk_size`` it fixes the largest exponent.
+        chunk_size: tokens per chunk; default: the largest power of two <= 64 that is safe for g_min.
+
+    Returns:
+        ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
+
+    Raises:
+        ValueError: mismatched shapes, an unknown backend, or a g_min / chunk_size pair whose
+            ``exp(±G)`` could overflow float32/bfloat16 (see :func:`check_gate_bound`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    chunk_size = largest_safe_chunk(g_min) if chunk_size is None else chunk_size
+    check_gate_bound(g_min, chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and triton_available() else "torch"
+    if backend == "reference":
+        return kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if backend == "triton":
+        from k3lit.kernels.kda import kda_triton
+
+        return kda_triton(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_min=g_min
+        )
+    if not q.is_cuda and g.numel() and (g.min() < g_min - 1e-6 or g.max() > 0):
+        raise ValueError(
+            f"g must lie in [g_min, 0] = [{g_min}, 0], got [{g.min().item():.4g}, {g.max().item():.4g}]; "
+            "produce it with bounded_log_decay or pass the bound your gate guarantees as g_min"
+        )
+    return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+__all__ = [
+    "kda",
+    "kda_reference",
+    "bounded_log_decay",
+    "softplus_log_decay", "check_gate_bound", "largest_safe_chunk", "triton_available"]

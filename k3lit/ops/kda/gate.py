@@ -1,0 +1,29 @@
+"""Log-decay gates: the lower-bounded K3 gate and the unbounded one it replaces."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def bounded_log_decay(e: torch.Tensor, g_min: float = -5.0) -> torch.Tensor:
+    """Lower-bounded log-decay ``g = g_min * sigmoid(e)`` in ``[g_min, 0]`` (K3 innovation 1).
+
+    Args:
+        e: gate pre-activation, any shape (``[B, T, H, K]`` in the layer), any float dtype.
+        g_min: the fixed lower bound, negative (default -5).
+
+    Returns:
+        float32 tensor of e's shape: the per-channel log-decay the KDA op consumes.
+    """
+    if not g_min < 0:
+        raise ValueError(f"g_min must be negative, got {g_min}")
+    return g_min * torch.sigmoid(e.float())
+
+
+def softplus_log_decay(e: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
+    """Unbounded log-decay ``g = -exp(A_log) * softplus(e)`` in ``(-inf, 0]``, for comparison only.
+
+    A model trained with one gate must not be run with the other.
+    """
+    return -A_log.float().exp() * F.softplus(e.float())

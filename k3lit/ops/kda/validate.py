@@ -1,0 +1,97 @@
+"""Shape, dtype and numeric-range checks shared by every KDA backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: exp(x) is finite in float32 and bfloat16 for x below about 88.72; we keep a margin.
+EXP_LIMIT = 88.0
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> None:
+    """Raise ``ValueError`` with the expected layout when the KDA inputs do not fit together."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(
+            f"q, k and g must share the shape [B, T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"g {tuple(g.shape)}"
+        )
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    n_seq = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B = 1, got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be a 1-D tensor [N + 1] of cumulative lengths starting at 0")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+        cs = cu_seqlens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {T}, got {cs}")
+        n_seq = len(cs) - 1
+    if initial_state is not None and initial_state.shape != (n_seq, H, K, v.shape[-1]):
+        raise ValueError(
+            f"initial_state must be [N, H, K, V] = [{n_seq}, {H}, {K}, {v.shape[-1]}], "
+            f"got {tuple(initial_state.shape)}"
+        )
+
+
+def split_varlen(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """``[N + 1]`` cumulative lengths -> list of ``(start, end)`` token ranges."""
+    cs = cu_seqlens.tolist()
+    return list(zip(cs[:-1], cs[1:]))
+
+
+def rebase_row(chunk_size: int) -> int:
+    """Row of a chunk that the cumulative log-decay is rebased on (the middle one)."""
+    return (chunk_size - 1) // 2
+
+
+def max_exponent(g_min: float, chunk_size: int) -> float:
+    """Largest ``|G_i - G_r|`` inside a chunk rebased on its middle row r, for log-decay in ``[g_min, 0]``.
+
+    Row r = (C - 1) // 2 is at most ``ceil((C - 1) / 2)`` steps from either end of the chunk, and each
+    step changes G by at most ``|g_min|``.
+    """
+    return abs(g_min) * math.ceil((chunk_size - 1) / 2)
+
+
+def check_gate_bound(g_min: float, chunk_size: int) -> None:
+    """Raise ``ValueError`` when ``exp(±G)`` could overflow float32/bfloat16 for this bound and chunk.
+
+    The dense intra-chunk path forms ``Q ⊙ exp(G - G_r)`` and ``K ⊙ exp(G_r - G)``; both stay finite iff
+    ``|g_min| * ceil((C - 1) / 2) <= 88`` (exp overflows float32 and bfloat16 just above 88.72).
+    """
+    if not g_min < 0:
+        raise ValueError(f"g_min must be negative (the lower bound of the log-decay), got {g_min}")
+    if max_exponent(g_min, chunk_size) > EXP_LIMIT:
+        safe = EXP_LIMIT / math.ceil((chunk_size - 1) / 2)
+        raise ValueError(
+            f"log-decay bound g_min={g_min} with chunk_size={chunk_size} lets exp(±G) reach "
+            f"exp({max_exponent(g_min, chunk_size):.0f}), which overflows float32/bfloat16 (limit exp(88)). "
+            f"Use g_min >= {-safe:.3f} or a smaller chunk_size."
+        )
+
+
+def largest_safe_chunk(g_min: float, cap: int = 64) -> int:
+    """Largest power-of-two chunk size (at most ``cap``, at least 16) that is safe for ``g_min``."""
+    c = cap
+    while c > 16 and max_exponent(g_min, c) > EXP_LIMIT:
+        c //= 2
+    check_gate_bound(g_min, c)
+    return c
