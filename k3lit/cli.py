@@ -1,0 +1,148 @@
+"""The ``k3lit`` command: LightningCLI sub-commands (fit, validate) plus prepare and generate.
+
+    k3lit fit --config recipes/tiny.yaml --model.n_layers=4 --trainer.max_steps=100
+    k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume
+    k3lit prepare --config recipes/tiny.yaml                       # tokenise the corpus into litdata chunks
+    k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt --prompt "def "
+
+Recipes have four sections: ``model`` (:class:`~k3lit.model.ModelConfig`), ``optim``
+(:class:`~k3lit.train.optim.OptimConfig`), ``data`` (:class:`~k3lit.data.K3DataModule`) and ``trainer``.
+Unless a recipe sets them, runs log to TensorBoard and ``metrics.csv`` and keep ``checkpoints/last.ckpt``,
+all under ``trainer.default_root_dir``; the resolved config is saved beside them as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from k3lit.data import K3DataModule
+from k3lit.model import ModelConfig
+from k3lit.train.module import K3LitModule
+from k3lit.train.optim import OptimConfig
+
+
+class K3CLI(LightningCLI):
+    """LightningCLI whose ``model`` group is the :class:`ModelConfig` dataclass itself (``--model.dim``), with
+    ``optim`` beside it; the LightningModule is built from both after the data module fixes the vocabulary."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            K3LitModule,
+            K3DataModule,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        parser.add_class_arguments(ModelConfig, "model")
+        parser.add_class_arguments(OptimConfig, "optim")
+        parser.add_lightning_class_args(K3DataModule, "data")
+
+    def instantiate_classes(self) -> None:
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self._get(self.config_init, "data")
+        model_cfg: ModelConfig = self._get(self.config_init, "model")
+        data_vocab = self.datamodule.vocab_size
+        if model_cfg.vocab_size is None:
+            model_cfg = dataclasses.replace(model_cfg, vocab_size=data_vocab)
+        elif model_cfg.vocab_size < data_vocab:
+            raise ValueError(
+                f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data_vocab}: "
+                "remove model.vocab_size to take it from the data, or raise it"
+            )
+        self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"))
+        self.trainer = self.instantiate_trainer(**self._default_outputs())
+
+    def _default_outputs(self) -> dict:
+        """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured."""
+        cfg = self._get(self.config_init, "trainer", default={})
+        root = Path(cfg.get("default_root_dir") or "runs/default")
+        out: dict = {}
+        if cfg.get("logger") in (None, True):
+            out["logger"] = [
+                TensorBoardLogger(root, name="", version=""),
+                CSVLogger(root, name="", version=""),
+            ]
+        callbacks = list(cfg.get("callbacks") or [])
+        if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            callbacks.append(ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, save_top_k=0))
+        if cfg.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, RichProgressBar) for c in callbacks
+        ):
+            callbacks.append(RichProgressBar())
+        out["callbacks"] = callbacks
+        return out
+
+    def instantiate_trainer(self, **kwargs):
+        cfg = self._get(self.config_init, "trainer", default={})
+        cfg = {**cfg, **kwargs}
+        extra = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
+        return self._instantiate_trainer(cfg, extra)
+
+
+def prepare_main(argv: list[str]) -> None:
+    """``k3lit prepare``: build (or reuse) the tokenised litdata cache of a recipe's ``data`` section."""
+    parser = ArgumentParser(prog="k3lit prepare", description=prepare_main.__doc__)
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_class_arguments(K3DataModule, "data")
+    for group in ("model", "optim", "trainer"):
+        parser.add_argument(f"--{group}", type=dict, default={}, help="ignored (recipes carry it for fit)")
+    cfg = parser.instantiate_classes(parser.parse_args(argv))
+    dm: K3DataModule = cfg.data
+    dm.prepare_data()
+    print(dm.describe())
+
+
+def generate_main(argv: list[str]) -> None:
+    """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
+    import torch
+
+    parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
+    parser.add_argument("--ckpt", type=str, required=True, help="path to a .ckpt written by k3lit fit")
+    parser.add_argument("--prompt", type=str, default="def ")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int | None, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if not Path(args.ckpt).is_file():
+        raise FileNotFoundError(f"checkpoint {args.ckpt} not found: pass --ckpt runs/<recipe>/checkpoints/last.ckpt")
+    ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    module = K3LitModule(**ckpt["hyper_parameters"])
+    module.load_state_dict(ckpt["state_dict"])
+    model = module.model.to(args.device).eval()
+    dm = K3DataModule(**ckpt["datamodule_hyper_parameters"])
+    tok = dm.tokenizer
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise ValueError("--prompt must encode to at least one token")
+    idx = torch.tensor([ids], dtype=torch.long, device=args.device)
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, gen)
+    print(tok.decode(out[0].tolist()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``k3lit`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "prepare":
+        return prepare_main(argv[1:])
+    if argv and argv[0] == "generate":
+        return generate_main(argv[1:])
+    K3CLI(args=argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""K3LM: a hybrid KDA / softmax-attention language model with MoE and attention residuals.
+
+Reads top-down: ``ModelConfig`` → ``K3LM`` (embedding, sublayers joined by the residual rule, norm, head)
+→ ``Sublayer`` (pre-norm + one token mixer or channel mixer). Single device; parallelism lives in
+``k3lit.parallel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3lit.nn.attention import SoftmaxAttention
+from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream
+from k3lit.nn.kda import KimiDeltaAttention
+from k3lit.nn.mlp import SwiGLU
+from k3lit.nn.moe import MoE
+from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
+
+LAYER_TYPES = {"K": "KDA", "A": "softmax attention"}
+RESIDUALS = ("plain", "block_attnres", "full_attnres")
+BALANCERS = ("quantile", "aux_free", "aux_loss", "none")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a K3LM. Every field is a recipe key (``--model.<field>=...`` on the CLI).
+
+    Attributes:
+        vocab_size: tokenizer vocabulary; None takes it from the data module.
+        dim: model width D.
+        n_layers: number of layers; each has a token-mixer and a channel-mixer sublayer.
+        layer_pattern: token mixer per layer, repeated cyclically: ``K`` = KDA, ``A`` = softmax attention
+            (NoPE), e.g. ``KKKA`` = three KDA layers then one attention layer.
+        n_heads, head_dim: heads and per-head width of both token mixers (KDA uses K = V = head_dim).
+        kda_g_min: lower bound of KDA's log-decay, ``g = g_min * sigmoid(.)``.
+        kda_backend: ``auto`` | ``torch`` | ``triton`` | ``reference``.
+        mlp_hidden: hidden width of the dense SwiGLU channel mixer.
+        n_experts: experts per MoE layer; 0 makes every channel mixer dense.
+        first_dense_layers: the first layers keep a dense SwiGLU even when n_experts > 0.
+        top_k, expert_dim, n_shared_experts: routed experts per token, expert hidden width, shared experts.
+        balancer: ``quantile`` (K3 quantile balancing), ``aux_free`` (sign bias), ``aux_loss``, ``none``.
+        bias_update_rate: step size u of the ``aux_free`` sign-bias update.
+        aux_loss_coef: α of the ``aux_loss`` balancer.
+        residual: ``plain`` (x + f(x)), ``block_attnres`` or ``full_attnres``.
+        attnres_block_size: sublayers per block for ``block_attnres`` (2 sublayers = 1 transformer layer).
+        tie_embeddings: share the embedding and LM-head weights.
+        norm_eps: RMSNorm epsilon.
+        init_std: standard deviation of the normal weight init.
+    """
+
+    vocab_size: int | None = None
+    dim: int = 256
+    n_layers: int = 4
+    layer_pattern: str = "KKKA"
+    n_heads: int = 4
+    head_dim: int = 64
+    kda_g_min: float = -5.0
+    kda_backend: str = "auto"
+    mlp_hidden: int = 768
+    n_experts: int = 0
+    first_dense_layers: int = 1
+    top_k: int = 2
+    expert_dim: int = 256
+    n_shared_experts: int = 0
+    balancer: str = "quantile"
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 1e-2
+    residual: str = "block_attnres"
+    attnres_block_size: int = 4
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def bad(field: str, fix: str) -> ValueError:
+            return ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {fix}")
+
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise bad("vocab_size", "needs at least 2 tokens (or None to take it from the data module)")
+        for field in ("dim", "n_layers", "n_heads", "head_dim", "mlp_hidden"):
+            if getattr(self, field) < 1:
+                raise bad(field, "must be a positive integer")
+        if not self.layer_pattern or set(self.layer_pattern) - set(LAYER_TYPES):
+            raise bad("layer_pattern", f"use only the letters {sorted(LAYER_TYPES)} (K = KDA, A = softmax attention)")
+        try:
+            check_gate_bound(self.kda_g_min, largest_safe_chunk(self.kda_g_min))
+        except ValueError as e:
+            raise bad("kda_g_min", str(e)) from None
+        if self.kda_backend not in ("auto", "torch", "triton", "reference"):
+            raise bad("kda_backend", "choose auto, torch, triton or reference")
+        if self.n_experts < 0:
+            raise bad("n_experts", "must be >= 0 (0 = dense channel mixers everywhere)")
+        if self.n_experts:
+            if not 1 <= self.top_k <= self.n_experts:
+                raise bad("top_k", f"must lie in [1, n_experts={self.n_experts}]")
+            if self.top_k == self.n_experts and self.balancer == "quantile":
+                raise bad("top_k", "quantile balancing needs top_k < n_experts (it reads the (k+1)-th score)")
+            if self.expert_dim < 1:
+                raise bad("expert_dim", "must be a positive integer")
+            if self.n_shared_experts < 0:
+                raise bad("n_shared_experts", "must be >= 0")
+        if not 0 <= self.first_dense_layers <= self.n_layers:
+            raise bad("first_dense_layers", f"must lie in [0, n_layers={self.n_layers}]")
+        if self.balancer not in BALANCERS:
+            raise bad("balancer", f"choose one of {BALANCERS}")
+        if self.residual not in RESIDUALS:
+            raise bad("residual", f"choose one of {RESIDUALS}")
+        if self.attnres_block_size < 1:
+            raise bad("attnres_block_size", "must count at least 1 sublayer")
+
+    def mixer_type(self, layer: int) -> str:
+        """``K`` or ``A`` for layer ``layer`` (the pattern repeats)."""
+        return self.layer_pattern[layer % len(self.layer_pattern)]
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s channel mixer is an MoE."""
+        return self.n_experts > 0 and layer >= self.first_dense_layers
+
+
+class Sublayer(nn.Module):
+    """Pre-norm wrapper of one token or channel mixer, plus its AttnRes read when the residual uses one."""
+
+    def __init__(self, op: nn.Module, dim: int, eps: float, attn_res: bool) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.op = op
+        self.res_mixer = AttnResMixer(dim) if attn_res else None
+
+    @property
+    def is_token_mixer(self) -> bool:
+        return isinstance(self.op, KimiDeltaAttention | SoftmaxAttention)
+
+    def forward(self, h: torch.Tensor, state: Any = None, return_state: bool = False) -> tuple[torch.Tensor, Any]:
+        if self.is_token_mixer:
+            return self.op(self.norm(h), state, return_state)
+        return self.op(self.norm(h)), None
+
+
+class K3LM(nn.Module):
+    """The language model: ``forward(idx [B, T] int64) -> (logits [B, T, vocab] , states | None)``.
+
+    ``states`` is a list (one entry per sublayer, None for channel mixers) of KDA states and key/value
+    caches; pass it back with the next tokens to continue a sequence (prefill, then decoding).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("ModelConfig.vocab_size is None: set it, or let the data module provide it")
+        self.config = c = config
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        attn_res = c.residual != "plain"
+        sublayers = []
+        for layer in range(c.n_layers):
+            if c.mixer_type(layer) == "K":
+                mixer = KimiDeltaAttention(c.dim, c.n_heads, c.head_dim, c.kda_g_min, backend=c.kda_backend,
+                                           norm_eps=c.norm_eps)
+            else:
+                mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps)
+            if c.is_moe(layer):
+                channel = MoE(c.dim, c.n_experts, c.top_k, c.expert_dim, c.n_shared_experts, c.balancer,
+                              c.bias_update_rate, c.aux_loss_coef)
+            else:
+                channel = SwiGLU(c.dim, c.mlp_hidden)
+            sublayers += [Sublayer(mixer, c.dim, c.norm_eps, attn_res), Sublayer(channel, c.dim, c.norm_eps, attn_res)]
+        self.sublayers = nn.ModuleList(sublayers)
+        self.final_res_mixer = AttnResMixer(c.dim) if attn_res else None
+        self.norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.reset_parameters()
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def block_size(self) -> int:
+        """Sublayers per AttnRes block (1 for Full AttnRes)."""
+        return 1 if self.config.residual == "full_attnres" else self.config.attnres_block_size
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for linear and embedding weights, output projections scaled by 1/sqrt(2 L)."""
+        std = self.config.init_std
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear | nn.Embedding):
+                out_proj = name.endswith(("o_proj", "w_down"))
+                nn.init.normal_(m.weight, std=std / (2 * self.config.n_layers) ** 0.5 if out_proj else std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE modules in depth order."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the auxiliary balancing losses of the latest forward (``aux_loss`` balancer), else None."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def forward(
+        self, idx: torch.Tensor, states: list[Any] | None = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, list[Any] | None]:
+        want_state = return_state or states is not None
+        states = states if states is not None else [None] * len(self.sublayers)
+        new_states: list[Any] = []
+        x = self.embed(idx)  # [B, T, D]
+        if self.config.residual == "plain":
+            h = x
+            for sub, st in zip(self.sublayers, states):
+                out, st = sub(h, st, want_state)
+                h = h + out
+                new_states.append(st)
+        else:
+            stream = BlockResidualStream(x, self.block_size, self.config.norm_eps)
+            for sub, st in zip(self.sublayers, states):
+                out, st = sub(sub.res_mixer(*stream.sources()), st, want_state)
+                stream.add(out)
+                new_states.append(st)
+            h = self.final_res_mixer(*stream.sources())
+        logits = self.lm_head(self.norm(h))  # [B, T, vocab]
+        return logits, (new_states if want_state else None)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample continuations: prefill the prompt once, then decode one token at a time from the recurrent
+        KDA states and the attention key/value caches.
+
+        Args:
+            idx: ``[B, T0]`` int64 prompt tokens (T0 >= 1).
+            max_new_tokens: tokens to append.
+            temperature: softmax temperature; 0 means greedy (argmax).
+            top_k: keep only the k most likely tokens before sampling.
+            generator: RNG for reproducible sampling.
+
+        Returns:
+            ``[B, T0 + max_new_tokens]`` int64.
+        """
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"prompt must be [B, T0] with T0 >= 1, got {tuple(idx.shape)}")
+        logits, states = self(idx, return_state=True)
+        out = [idx]
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits[:, -1].float(), temperature, top_k, generator)  # [B, 1]
+            out.append(nxt)
+            logits, states = self(nxt, states)
+        return torch.cat(out, dim=1)
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """``[B, vocab]`` logits -> ``[B, 1]`` next tokens (greedy when temperature == 0)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, -1), 1, generator=generator)

@@ -1,0 +1,57 @@
+"""Softmax attention through SDPA with no positional encoding (the 'A' layers of a hybrid pattern)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class KVCache:
+    """Keys and values seen so far, ``[B, H, T_past, head_dim]`` each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal multi-head softmax attention without positional encoding (NoPE, as in Kimi Linear).
+
+    Args:
+        dim: model width D.
+        n_heads: heads H.
+        head_dim: width per head.
+
+    ``forward(x [B, T, D], cache: KVCache | None, return_state) -> (y [B, T, D], KVCache | None)``.
+    With a cache, the new tokens attend to every cached token and causally among themselves.
+    """
+
+    def __init__(self, dim: int, n_heads: int, head_dim: int, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.qkv = nn.Linear(dim, 3 * n_heads * head_dim, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, return_state: bool = False
+    ) -> tuple[torch.Tensor, KVCache | None]:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k = self.q_norm(q), self.k_norm(k)  # QK-norm keeps NoPE logits bounded
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        if cache is not None:
+            k = torch.cat([cache.k, k], dim=2)
+            v = torch.cat([cache.v, v], dim=2)
+        t_past = k.shape[2] - T
+        if t_past == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new token i sees all cached tokens and new tokens j <= i
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=t_past)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return y, (KVCache(k, v) if (return_state or cache is not None) else None)

@@ -1,0 +1,53 @@
+"""Attention Residuals: the per-sublayer depth mixer and the residual stream that uses it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3lit.ops.attn_res import attn_res_mix, inv_rms
+
+
+class AttnResMixer(nn.Module):
+    """One sublayer's read of the residual sources (arXiv 2603.15031): pseudo-query ``w`` (zero at init,
+    so the first step is the uniform mean) and RMSNorm weight ``γ``. ``forward(sources, inv_rms) -> [B, T, D]``.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(dim))
+        self.norm_weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, sources: list[torch.Tensor], source_inv_rms: list[torch.Tensor]) -> torch.Tensor:
+        return attn_res_mix(sources, source_inv_rms, self.query * self.norm_weight)
+
+
+class BlockResidualStream:
+    """Block AttnRes bookkeeping over one forward pass, block size S counted in **sublayers**.
+
+    ``b_0`` is the embedding; inside block n the outputs are summed into the partial sum ``b_n^i``; the i-th
+    sublayer reads ``[b_0 … b_{n-1}]`` (i = 1) or ``[b_0 … b_{n-1}, b_n^{i-1}]`` (i >= 2). S = 1 is Full AttnRes
+    (every earlier sublayer output is its own source).
+    """
+
+    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float) -> None:
+        self.block_size, self.eps = block_size, eps
+        self.blocks = [embedding]
+        self.blocks_inv_rms = [inv_rms(embedding, eps)]
+        self.partial: torch.Tensor | None = None
+        self.n_in_block = 0
+
+    def sources(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Current sources and their ``1 / rms``: the block summaries, then the partial sum if any."""
+        if self.partial is None:
+            return self.blocks, self.blocks_inv_rms
+        return self.blocks + [self.partial], self.blocks_inv_rms + [inv_rms(self.partial, self.eps)]
+
+    def add(self, out: torch.Tensor) -> None:
+        """Add one sublayer's output; close the block after S outputs."""
+        self.partial = out if self.partial is None else self.partial + out
+        self.n_in_block += 1
+        if self.n_in_block == self.block_size:
+            self.blocks.append(self.partial)
+            self.blocks_inv_rms.append(inv_rms(self.partial, self.eps))
+            self.partial, self.n_in_block = None, 0

@@ -1,0 +1,50 @@
+"""Depth-wise softmax mixing of Attention Residuals (arXiv 2603.15031), REFERENCE.md §3.
+
+A sublayer l reads ``h_l = Σ_i a_i v_i`` with ``a = softmax_i(w_l^T RMSNorm_l(v_i))`` over its sources v_i
+(block summaries, the running partial sum, or every earlier output for Full AttnRes). Because
+``w^T (γ ⊙ v / rms(v)) = ((w ⊙ γ)^T v) / rms(v)``, each source is stored once with its ``1 / rms`` and no
+normalised copy of any source is kept alive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inv_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``1 / sqrt(mean(v^2) + eps)`` over the last dim: ``[..., D] -> [...]`` in float32."""
+    return torch.rsqrt(v.float().pow(2).mean(-1) + eps)
+
+
+def attn_res_mix(
+    sources: list[torch.Tensor], source_inv_rms: list[torch.Tensor], query: torch.Tensor
+) -> torch.Tensor:
+    """Softmax-over-depth mix of ``N`` sources in one pass.
+
+    Args:
+        sources: N tensors ``[B, T, D]`` (any float dtype).
+        source_inv_rms: N float32 tensors ``[B, T]`` from :func:`inv_rms` of each source.
+        query: ``[D]`` pseudo-query already multiplied by the RMSNorm weight (``w ⊙ γ``).
+
+    Returns:
+        ``[B, T, D]`` in the sources' dtype; softmax and logits in float32.
+    """
+    if len(sources) != len(source_inv_rms) or not sources:
+        raise ValueError(f"need one inv_rms per source and at least one source, got {len(sources)}, "
+                         f"{len(source_inv_rms)}")
+    logits = torch.stack([(v @ query.to(v.dtype)).float() * r for v, r in zip(sources, source_inv_rms)])
+    a = torch.softmax(logits, dim=0)  # [N, B, T]
+    out = a[0, ..., None] * sources[0].float()
+    for i in range(1, len(sources)):
+        out = out + a[i, ..., None] * sources[i].float()
+    return out.to(sources[0].dtype)
+
+
+def attn_res_reference(
+    sources: list[torch.Tensor], w: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """Literal form ``Σ_i softmax_i(w^T RMSNorm(v_i)) v_i`` in the sources' dtype (float64 in tests)."""
+    V = torch.stack(sources)  # [N, B, T, D]
+    normed = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
+    a = torch.softmax(normed @ w, dim=0)  # [N, B, T]
+    return (a[..., None] * V).sum(0)

@@ -1,0 +1,104 @@
+"""K3LitModule: next-token training of a K3LM with balancer updates once per optimizer step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from typing_extensions import override
+
+from torchmetrics import MeanMetric
+
+from k3lit.model import K3LM, ModelConfig
+from k3lit.train.metrics import ExpertLoad
+from k3lit.train.optim import OptimConfig
+
+
+class K3LitModule(L.LightningModule):
+    """Trains a :class:`K3LM` on ``[B, T + 1]`` int64 token batches (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+
+    Logs ``train/loss`` (nats per token), ``val/loss`` and ``val/bpb`` (bits per UTF-8 byte of the held-out
+    text, so runs with different tokenizers compare), and per MoE layer ``i``: ``train/max_vio/layer{i}``
+    (MaxVio of each training batch), ``val/max_vio/layer{i}`` (MaxVio_global over the validation pass) and
+    ``val/expert_frac/layer{i}/e{j}`` (token fraction per expert).
+
+    The MoE balancers (quantile bias, sign bias) update once per optimizer step in
+    :meth:`on_before_optimizer_step`, after every micro-batch of that step has been routed, so no batch is
+    routed by a bias derived from itself.
+    """
+
+    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_config = model
+        self.optim_config = optim or OptimConfig()
+        self.model = K3LM(model)
+        self.val_loss = MeanMetric()
+        n_moe = len(self.model.moe_layers())
+        if n_moe:
+            self.train_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
+            self.val_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
+
+    @override
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)[0]
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self.model(x)[0]
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def _moe_loads(self) -> torch.Tensor:
+        return torch.stack([m.last_load for m in self.model.moe_layers()])  # [L_moe, n_experts]
+
+    @override
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        aux = self.model.aux_loss()
+        if aux is not None:
+            self.log("train/aux_loss", aux)
+            loss = loss + aux
+        if self.model.moe_layers():
+            self.train_load.update(self._moe_loads())
+            stats = self.train_load.compute()
+            self.train_load.reset()
+            for i, v in enumerate(stats["max_vio"]):
+                self.log(f"train/max_vio/layer{i}", v, prog_bar=(i == 0))
+        return loss
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        for moe in self.model.moe_layers():
+            moe.update_balancer()
+
+    @override
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_loss.update(loss, weight=batch[:, 1:].numel())
+        if self.model.moe_layers():
+            self.val_load.update(self._moe_loads())
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # token-weighted mean over the whole pass, synced across ranks
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        bytes_per_token = getattr(getattr(self.trainer, "datamodule", None), "val_bytes_per_token", None)
+        if bytes_per_token:
+            self.log("val/bpb", loss / (math.log(2) * bytes_per_token), prog_bar=True)
+        if self.model.moe_layers():
+            stats = self.val_load.compute()
+            self.val_load.reset()
+            for i, v in enumerate(stats["max_vio"]):
+                self.log(f"val/max_vio/layer{i}", v)
+                for j, f in enumerate(stats["fraction"][i]):
+                    self.log(f"val/expert_frac/layer{i}/e{j}", f)
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt, sched = self.optim_config.build(self.model, int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

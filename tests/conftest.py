@@ -1,0 +1,16 @@
+import os
+
+import pytest
+import torch
+
+# Keep CPU tests on the two cores CI has, one per xdist worker.
+torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test run, printed so a failure can be replayed with K3LIT_SEED."""
+    s = int(os.environ.get("K3LIT_SEED", torch.seed() % 2**31))
+    torch.manual_seed(s)
+    print(f"K3LIT_SEED={s}")
+    return s
