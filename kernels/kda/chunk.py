@@ -1,0 +1,491 @@
+"""Chunked KDA in Triton: forward and backward kernels plus their host launchers.
+
+Every sequence is split into chunks of C tokens (C = 16, 32 or 64, the largest that the gate bound makes
+safe, see README.md). Per chunk and head, with ``G`` the in-chunk cumulative log-decay, ``r = (C - 1) // 2``
+its middle row and ``S`` the state entering the chunk (REFERENCE.md §1)::
+
+    A    = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)          dense tl.dot, no diagonal special case
+    Aq   = scale * tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)
+    M    = (I + Diag(beta) A)^-1                                    forward substitution in registers
+    W    = M Diag(beta) (K⊙exp(G)),   U = M Diag(beta) V
+    Delta = U - W S
+    O    = scale (Q⊙exp(G)) S + Aq Delta
+    S'   = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
+
+Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, M, W, U), ``_scan_fwd`` (per sequence and value
+block: the sequential state recurrence, stores every chunk's entering state and Delta), ``_out_fwd``
+(per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS per chunk and dDelta),
+``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). Precision: exponentials, cumulative sums, the inverse
+and the states in float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32
+accumulation.
+
+Every launcher works on a packed layout ``[1, T_total, H, X]``; a dense ``[B, T]`` batch is the packed batch
+with ``cu_seqlens = [0, T, 2T, ...]``. Chunk metadata: ``chunk_idx [NC, 2]`` = (sequence, chunk in the
+sequence) for every chunk, ``chunk_off [N + 1]`` = first global chunk of each sequence. Per-chunk buffers
+(states) are allocated with the static upper bound ``T_total // C + N`` rows so that their shapes never
+depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _op(x, F32: tl.constexpr):
+    """Matrix-product operand: float32 for float32 inputs, else bfloat16 (exp-scaled values overflow fp16)."""
+    if F32:
+        return x.to(tl.float32)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _row(x, rows, i):
+    """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
+    return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
+    i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
+    i_t = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * C
+    n_valid = tl.minimum(eos - t0, C)
+    return i_n, t0, n_valid
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _intra_fwd(
+    k, v, q, g, beta, Gc, Aq, Mi, W, U, cu, cidx, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    F32: tl.constexpr,
+):
+    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    R: tl.constexpr = (C - 1) // 2
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
+    tok = t0 + rows
+    A = tl.zeros([C, C], dtype=tl.float32)
+    B_qk = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
+        tl.store(Gc + off, b_G, mask=msk)
+        b_Gr = _row(b_G, rows, R)
+        up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
+        dn = tl.exp(b_Gr[None, :] - b_G)
+        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
+        b_kdn = _op(b_k * dn, F32)
+        A += tl.dot(_op(b_k * up, F32), tl.trans(b_kdn))
+        B_qk += tl.dot(_op(b_q * up, F32), tl.trans(b_kdn))
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
+    L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
+    B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
+    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    tl.store(Aq + offc, B_qk, mask=m_t[:, None])
+    # (I + L)^-1 row by row: X_i = e_i - sum_{j<i} L_ij X_j (L strictly lower, so the loop is exact).
+    X = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, C):
+        l_i = _row(L, rows, i)
+        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
+        X = tl.where((rows == i)[:, None], x_i[None, :], X)
+    tl.store(Mi + offc, X, mask=m_t[:, None])
+    Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
+        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        b_w = tl.dot(Xb, _op(b_k * tl.exp(b_G), F32))
+        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
+    for vb in range(0, V, BV):
+        cols = vb + tl.arange(0, BV)
+        msk = m_t[:, None] & (cols < V)[None, :]
+        off = tok[:, None] * (H * V) + i_h * V + cols[None, :]
+        b_v = tl.load(v + off, mask=msk, other=0.0)
+        b_u = tl.dot(Xb, _op(b_v, F32))
+        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _scan_fwd(
+    k, Gc, W, U, D, h, h0, ht, cu, coff,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
+):
+    """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, C)
+    rk = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, C)
+    m_k = rk < K
+    m_v = cv < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_s = rk[:, None] * V + cv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(h0 + (i_n * H + i_h) * K * V + off_s, mask=m_kv, other=0.0).to(tl.float32)
+    for it in range(0, n_chunks):
+        t0 = bos + it * C
+        n_valid = tl.minimum(eos - t0, C)
+        m_t = rows < n_valid
+        tok = t0 + rows
+        tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        mv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(W + offk, mask=mk, other=0.0)
+        b_u = tl.load(U + offv, mask=mv, other=0.0).to(tl.float32)
+        b_d = b_u - tl.dot(_op(b_w, F32), _op(S, F32))
+        tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
+        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        b_kd = b_k * tl.exp(g_last[None, :] - b_G)
+        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32))
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h) * K * V + off_s, S, mask=m_kv)
+
+
+@triton.jit
+def _out_fwd(
+    q, Gc, Aq, D, h, o, cu, cidx, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    F32: tl.constexpr,
+):
+    """Per (value block, chunk, head): O = scale (Q⊙exp(G)) S + Aq Delta."""
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
+    tok = t0 + rows
+    cv = i_v * BV + tl.arange(0, BV)
+    m_v = cv < V
+    acc = tl.zeros([C, BV], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        m_k = rk < K
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        b_h = tl.load(h + (i_c * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        acc += tl.dot(_op(b_q * tl.exp(b_G) * scale, F32), _op(b_h, F32))
+    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    b_a = tl.load(Aq + offc, mask=m_t[:, None], other=0.0)
+    offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+    mv = m_t[:, None] & m_v[None, :]
+    b_d = tl.load(D + offv, mask=mv, other=0.0)
+    acc += tl.dot(_op(b_a, F32), _op(b_d, F32))
+    tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scan_bwd(
+    q, k, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
+):
+    """Reverse recurrence, chunks last to first. With dS the gradient of the state leaving the chunk::
+
+        dDelta = Aq^T dO + Kd dS
+        dS    <- Diag(exp(G_last)) dS + scale (Q⊙exp(G))^T dO - W^T dDelta
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, C)
+    rk = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, C)
+    m_k = rk < K
+    m_v = cv < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_s = rk[:, None] * V + cv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS += tl.load(dht + (i_n * H + i_h) * K * V + off_s, mask=m_kv, other=0.0).to(tl.float32)
+    for j in range(0, n_chunks):
+        it = n_chunks - 1 - j
+        t0 = bos + it * C
+        n_valid = tl.minimum(eos - t0, C)
+        m_t = rows < n_valid
+        tok = t0 + rows
+        tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_kv)
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        mv = m_t[:, None] & m_v[None, :]
+        b_do = tl.load(do + offv, mask=mv, other=0.0)
+        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        b_kd = b_k * tl.exp(g_last[None, :] - b_G)
+        b_dd = tl.dot(tl.trans(_op(b_a, F32)), _op(b_do, F32)) + tl.dot(_op(b_kd, F32), _op(dS, F32))
+        tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
+        b_w = tl.load(W + offk, mask=mk, other=0.0)
+        b_qg = b_q * tl.exp(b_G) * scale
+        dS = dS * tl.exp(g_last)[:, None] + tl.dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32))
+        dS -= tl.dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32))
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h) * K * V + off_s, dS, mask=m_kv)
+
+
+@triton.jit
+def _main_bwd(
+    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    F32: tl.constexpr,
+):
+    """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
+
+    Value side (looped over V blocks): dAq = dO Delta^T, dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T,
+    dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side (whole K at once):
+    dM += dW X^T with X = Diag(beta) K⊙exp(G), dX = M^T dW, dL = -M^T dM M^T, then the dense pair terms of
+    A and Aq (same rebasing as the forward) and dg = reverse cumsum of dG.
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    R: tl.constexpr = (C - 1) // 2
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
+    tok = t0 + rows
+    rk = tl.arange(0, BK)
+    m_k = rk < K
+    m_lo = rows[:, None] > rows[None, :]
+    m_le = rows[:, None] >= rows[None, :]
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    b_m = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
+    b_mt = tl.trans(b_m)
+    hbase = (i_c * H + i_h) * K * V
+    dAq = tl.zeros([C, C], dtype=tl.float32)
+    dM = tl.zeros([C, C], dtype=tl.float32)
+    dQg = tl.zeros([C, BK], dtype=tl.float32)
+    dKd = tl.zeros([C, BK], dtype=tl.float32)
+    dW = tl.zeros([C, BK], dtype=tl.float32)
+    dGs = tl.zeros([BK], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        m_v = cv < V
+        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        mv = m_t[:, None] & m_v[None, :]
+        offs = hbase + rk[:, None] * V + cv[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + offs, mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
+        b_d = tl.load(D + offv, mask=mv, other=0.0)
+        b_dd = tl.load(dD + offv, mask=mv, other=0.0)
+        b_do = tl.load(do + offv, mask=mv, other=0.0)
+        b_v = tl.load(v + offv, mask=mv, other=0.0).to(tl.float32)
+        dAq += tl.dot(_op(b_do, F32), tl.trans(_op(b_d, F32)))
+        dQg += tl.dot(_op(b_do, F32), tl.trans(_op(b_h, F32)))
+        dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
+        dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
+        dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        b_dy = tl.dot(b_mt, b_dd.to(tl.float32))  # M^T dDelta, float32 operands (tf32 on GPU)
+        tl.store(dv + offv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=mv)
+        db += tl.sum(b_dy * b_v, axis=1)
+        dM += tl.dot(_op(b_dd, F32), tl.trans(_op(b_v * b_beta[:, None], F32)))
+    offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+    mk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+    b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+    g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+    e_g = tl.exp(b_G)
+    # W = M X, X = Diag(beta) K⊙exp(G)
+    b_kg = b_k * e_g
+    dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
+    dX = tl.dot(b_mt, dW)
+    db += tl.sum(dX * b_kg, axis=1)
+    dKg = dX * b_beta[:, None]
+    b_dk = dKg * e_g
+    dG = dKg * b_kg
+    # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
+    dL = -tl.dot(tl.dot(b_mt, dM), b_mt)
+    dL = tl.where(m_lo, dL, 0.0)
+    b_Gr = _row(b_G, rows, R)
+    up = tl.exp(b_G - b_Gr[None, :])
+    dn = tl.exp(b_Gr[None, :] - b_G)
+    kup = _op(b_k * up, F32)
+    kdn = _op(b_k * dn, F32)
+    qup = _op(b_q * up, F32)
+    A = tl.where(m_lo, tl.dot(kup, tl.trans(kdn)), 0.0)
+    db += tl.sum(dL * A, axis=1)
+    dA = _op(dL * b_beta[:, None], F32)
+    dAq = _op(tl.where(m_le, dAq, 0.0) * scale, F32)
+    # O's state term scale (Q⊙exp(G)) S
+    b_dq = dQg * e_g * scale
+    dG += b_dq * b_q
+    # dense pair terms of A and Aq
+    dq_p = tl.dot(dAq, kdn) * up
+    dk_r = tl.dot(dA, kdn) * up
+    dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
+    b_dq += dq_p
+    b_dk += dk_r + dk_c
+    dG += b_q * dq_p + b_k * (dk_r - dk_c)
+    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
+    e_d = tl.exp(g_last[None, :] - b_G)
+    b_kd = b_k * e_d
+    b_dk += dKd * e_d
+    dG -= dKd * b_kd
+    dGl = dGs * tl.exp(g_last) + tl.sum(dKd * b_kd, axis=0)
+    dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
+    b_dg = tl.cumsum(dG, axis=0, reverse=True)
+    tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
+    tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
+    tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
+    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def chunk_meta(
+    cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Packed-layout chunk metadata.
+
+    Returns ``(cu [N + 1] int64, chunk_idx [NC, 2] int32, chunk_off [N + 1] int32, NC)``. For a dense batch
+    (``cu_seqlens`` None) it is built without reading device memory; for a packed one it reads the lengths.
+    """
+    if cu_seqlens is None:
+        n_per = triton.cdiv(T, C)
+        cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n_per)
+        pos = torch.arange(n_per, device=device, dtype=torch.int32).repeat(B)
+        off = torch.arange(0, B + 1, device=device, dtype=torch.int32) * n_per
+        return cu, torch.stack([seq, pos], 1).contiguous(), off, B * n_per
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    n_chunks = (cu[1:] - cu[:-1] + C - 1) // C
+    off = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)]).to(torch.int32)
+    nc = int(off[-1].item())
+    seq = torch.repeat_interleave(torch.arange(len(n_chunks), device=device, dtype=torch.int32), n_chunks,
+                                  output_size=nc)
+    pos = torch.arange(nc, device=device, dtype=torch.int32) - off[:-1].long()[seq.long()].to(torch.int32)
+    return cu, torch.stack([seq, pos], 1).contiguous(), off, nc
+
+
+def max_chunks(T_total: int, N: int, C: int) -> int:
+    """Static upper bound on the number of chunks of a packed batch (each sequence adds one partial chunk)."""
+    return T_total // C + N
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers."""
+    BK = _pow2(K)
+    BV = min(_pow2(V), 64 if BK <= 128 else 32)
+    return BK, BV, 4 if BK <= 64 else 8
+
+
+def chunk_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
+) -> tuple[torch.Tensor, ...]:
+    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, h, D)``."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu, cidx, coff, NC = chunk_meta(cu_seqlens, B, T, C, q.device)
+    wdt = _work_dtype(q.dtype)
+    F32 = q.dtype == torch.float32
+    Gc = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
+    Aq = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
+    Mi = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
+    W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
+    U = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
+    D = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
+    h = torch.empty(max_chunks(B * T, N, C), H, K, V, device=q.device, dtype=wdt)
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
+    if NC == 0:
+        ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
+        return o, ht, Gc, Aq, Mi, W, h, D
+    BKi = min(64, _pow2(K))
+    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
+                        BV=min(64, _pow2(V)), F32=F32, num_warps=4)
+    BK, BV, nw = _scan_cfg(K, V)
+    _scan_fwd[(triton.cdiv(V, BV), N * H)](
+        k, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, F32=F32, num_warps=nw)
+    BVo = min(64, _pow2(V))
+    _out_fwd[(triton.cdiv(V, BVo), NC, H)](q, Gc, Aq, D, h, o, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
+                                          BV=BVo, F32=F32, num_warps=4)
+    return o, ht, Gc, Aq, Mi, W, h, D
+
+
+def chunk_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
+    Mi: torch.Tensor, W: torch.Tensor, h: torch.Tensor, D: torch.Tensor, do: torch.Tensor,
+    dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None, C: int,
+) -> tuple[torch.Tensor, ...]:
+    """Backward launches. Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dg and dh0 are float32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu, cidx, coff, NC = chunk_meta(cu_seqlens, B, T, C, q.device)
+    F32 = q.dtype == torch.float32
+    wdt = _work_dtype(q.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
+    dbeta = torch.empty_like(beta)
+    dh0 = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
+    if NC == 0:
+        dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        return dq, dk, dv, dg, dbeta, dh0
+    dh = torch.empty_like(h)
+    dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
+    BK, BV, nw = _scan_cfg(K, V)
+    _scan_bwd[(triton.cdiv(V, BV), N * H)](
+        q, k, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, scale, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
+    BKm = _pow2(K)
+    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
+                       H=H, K=K, V=V, C=C, BK=BKm, BV=min(32, _pow2(V)), F32=F32,
+                       num_warps=4 if BKm <= 64 else 8)
+    return dq, dk, dv, dg, dbeta, dh0
