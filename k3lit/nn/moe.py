@@ -1,0 +1,281 @@
+"""Mixture of Experts with a sigmoid router, a float32 selection bias and Quantile Balancing.
+
+Reads top-down: :class:`MoE` (router -> route -> sorted dispatch -> stacked SwiGLU experts through one
+grouped matmul -> float32 combine), then the balancer bookkeeping. The math of the balancers lives in
+:mod:`k3lit.ops.routing` as pure functions; this module only collects their inputs over one optimizer
+step and applies their output.
+
+Balancer life cycle (REFERENCE.md §2):
+
+* ``forward`` in training mode records the statistics of its micro-batch (detached float32 scores for
+  ``quantile``, expert loads for ``aux_free``) and routes with the *current* bias;
+* the training loop calls :meth:`MoE.update_balancer` (or :func:`update_balancers` on the whole model)
+  once per optimizer step; it pools every micro-batch of the step (and every rank, when
+  ``torch.distributed`` is initialised), computes the new bias and clears the statistics, so a batch is
+  never routed by a bias derived from itself;
+* nothing is recorded in eval mode (the bias is frozen at inference), nor in the second forward that
+  activation checkpointing runs inside backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from k3lit.nn.mlp import SwiGLU
+from k3lit.ops.grouped_mm import grouped_mm
+from k3lit.ops.routing import aux_loss, expert_load, quantile_bias, route, sign_bias_update
+
+__all__ = ["MoE", "BALANCERS", "update_balancers"]
+
+BALANCERS = ("quantile", "aux_free", "aux_loss", "none")
+_PENDING_WARN = 4096  # micro-batches without an update_balancer() call before we warn once
+
+
+def _in_backward() -> bool:
+    """True while autograd executes a backward pass, e.g. when activation checkpointing (reentrant or not)
+    re-runs a forward to recompute saved tensors."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """Top-k MoE channel mixer: ``forward(x [B, T, D]) -> [B, T, D]``.
+
+    ``y_i = shared(x_i) + Σ_{j ∈ T_i} p_ij · SwiGLU_j(x_i)`` with ``s_i = sigmoid(W_r x_i)`` (float32),
+    ``T_i = top-k(s_i + b)``, ``p_ij = s_ij / Σ_{r ∈ T_i} s_ir`` (:func:`k3lit.ops.route`).
+
+    Args:
+        dim: model width D.
+        n_experts: routed experts n.
+        top_k: experts per token k (``< n_experts`` for ``quantile``, which needs a (k+1)-th choice).
+        expert_dim: hidden width of each SwiGLU expert.
+        n_shared_experts: always-on experts, fused into one dense SwiGLU of width
+            ``n_shared_experts * expert_dim``; 0 disables them.
+        balancer: ``"quantile"`` (Quantile Balancing), ``"aux_free"`` (sign bias, rate
+            ``bias_update_rate``), ``"aux_loss"`` (Switch/GShard loss, coefficient ``aux_loss_coef``) or
+            ``"none"``.
+        bias_update_rate: u of the ``aux_free`` sign rule.
+        aux_loss_coef: α of the ``aux_loss`` balancer.
+
+    Attributes:
+        expert_bias: ``[n]`` float32 buffer; stays float32 under ``.to(dtype)``, ``.half()``, ``.bfloat16()``
+            and Lightning precision plugins (see :meth:`_apply`). Saved in the state dict.
+        aux_loss: scalar tensor with the coefficient applied, set by a training forward of the ``aux_loss``
+            balancer (None otherwise); add it to the task loss.
+        last_load: ``[n]`` float32 detached token counts of the latest forward, for metrics.
+        process_group: group whose ranks pool their statistics in :meth:`update_balancer` (None: the
+            default group when ``torch.distributed`` is initialised).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        expert_dim: int,
+        n_shared_experts: int = 0,
+        balancer: str = "quantile",
+        bias_update_rate: float = 1e-3,
+        aux_loss_coef: float = 1e-2,
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("n_experts", n_experts), ("top_k", top_k), ("expert_dim", expert_dim)):
+            if value < 1:
+                raise ValueError(f"MoE: {name} must be >= 1, got {value}")
+        if n_shared_experts < 0:
+            raise ValueError(f"MoE: n_shared_experts must be >= 0, got {n_shared_experts}")
+        if balancer not in BALANCERS:
+            raise ValueError(f"MoE: balancer must be one of {BALANCERS}, got {balancer!r}")
+        k_max = n_experts - 1 if balancer == "quantile" else n_experts
+        if top_k > k_max:
+            raise ValueError(
+                f"MoE: top_k must be <= {k_max} for n_experts={n_experts} and balancer={balancer!r}, got {top_k}"
+                + (" (quantile balancing needs a (k+1)-th expert: raise n_experts or lower top_k)"
+                   if balancer == "quantile" else "")
+            )
+        self.dim, self.n_experts, self.top_k, self.expert_dim = dim, n_experts, top_k, expert_dim
+        self.n_shared_experts, self.balancer = n_shared_experts, balancer
+        self.bias_update_rate, self.aux_loss_coef = bias_update_rate, aux_loss_coef
+
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * expert_dim))  # [E, D, 2F]: gate | up
+        self.w_down = nn.Parameter(torch.empty(n_experts, expert_dim, dim))  # [E, F, D]
+        self.shared = SwiGLU(dim, n_shared_experts * expert_dim) if n_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.process_group: dist.ProcessGroup | None = None
+
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: torch.Tensor | None = None
+        self._pending_scores: list[torch.Tensor] = []  # quantile: detached float32 [m_b, n] per micro-batch
+        self._pending_load: torch.Tensor | None = None  # aux_free: [n] float32 summed over micro-batches
+        self._pending_batches = 0
+        self._warned = False
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None, down_std: float | None = None) -> None:
+        """Normal init of the stacked experts: ``w_gate_up ~ N(0, std)`` (default ``dim**-0.5``),
+        ``w_down ~ N(0, down_std)`` (default ``expert_dim**-0.5``); the router and shared experts keep
+        ``nn.Linear`` init. The bias is left alone (it is balancer state, not a weight)."""
+        nn.init.normal_(self.w_gate_up, std=self.dim**-0.5 if std is None else std)
+        nn.init.normal_(self.w_down, std=self.expert_dim**-0.5 if down_std is None else down_std)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, D] -> [B, T, D]`` in ``x``'s dtype; routing and combination in float32 (or wider)."""
+        B, T, D = x.shape
+        h = x.reshape(-1, D)  # [m, D], m = B T
+        acc = torch.promote_types(x.dtype, torch.float32)
+        scores = self.router_scores(h)  # [m, n] acc
+        expert_idx, weights = route(scores, self.expert_bias, self.top_k)  # [m, k] int64, [m, k] acc
+        self._record(scores, expert_idx)
+
+        y = self.experts(h, expert_idx)  # [m, k, D]
+        out = (y.to(acc) * weights.to(acc)[..., None]).sum(dim=1)  # [m, D]
+        if self.shared is not None:
+            out = out + self.shared(h).to(acc)
+        return out.to(x.dtype).view(B, T, D)
+
+    def router_scores(self, h: torch.Tensor) -> torch.Tensor:
+        """``s = sigmoid(h W_r^T)``: ``[m, D] -> [m, n]`` in float32 (float64 if ``h`` is), autocast off."""
+        acc = torch.promote_types(h.dtype, torch.float32)
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.sigmoid(F.linear(h.to(acc), self.router.weight.to(acc)))
+
+    def experts(self, h: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """Apply the selected SwiGLU experts: ``h [m, D]``, ``expert_idx [m, k]`` -> ``[m, k, D]``.
+
+        The ``m k`` (token, expert) slots are sorted by expert, run through two grouped matmuls over the
+        stacked weights, and put back in slot order.
+        """
+        m, k = expert_idx.shape
+        flat = expert_idx.reshape(-1)  # [m k]
+        order = flat.argsort(stable=True)  # sorted slot -> original slot
+        offsets = torch.bincount(flat, minlength=self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
+        xs = h[order // k]  # [m k, D] rows grouped by expert
+        gate, up = grouped_mm(xs, self.w_gate_up, offsets).chunk(2, dim=-1)  # [m k, F] each
+        ys = grouped_mm(F.silu(gate) * up, self.w_down, offsets)  # [m k, D]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return ys[inverse].view(m, k, -1)
+
+    # ----------------------------------------------------------------------------------------- balancer
+    def _record(self, scores: torch.Tensor, expert_idx: torch.Tensor) -> None:
+        """Side outputs and balancer statistics of one forward (skipped when re-run inside backward)."""
+        recompute = _in_backward()
+        if self.training and self.balancer == "aux_loss":
+            loss = self.aux_loss_coef * aux_loss(scores, expert_idx, self.n_experts, self.top_k)
+            if not recompute:
+                self.aux_loss = loss
+        elif not recompute:
+            self.aux_loss = None
+        if recompute:
+            return
+        load = expert_load(expert_idx, self.n_experts).detach()
+        self.last_load = load
+        if not self.training or self.balancer not in ("quantile", "aux_free"):
+            return
+        if self.balancer == "quantile":
+            self._pending_scores.append(scores.detach().float())
+        else:
+            self._pending_load = load if self._pending_load is None else self._pending_load + load
+        self._pending_batches += 1
+        if self._pending_batches > _PENDING_WARN and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"MoE: {self._pending_batches} training forwards without update_balancer(); call it once per "
+                "optimizer step (K3LitModule does) or use eval mode, else the balancer statistics keep growing",
+                stacklevel=3,
+            )
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens recorded since the last :meth:`update_balancer` (quantile and aux_free balancers)."""
+        if self.balancer == "quantile":
+            return sum(s.shape[0] for s in self._pending_scores)
+        if self._pending_load is None:
+            return 0
+        return round(self._pending_load.sum().item() / self.top_k)
+
+    def reset_balancer_stats(self) -> None:
+        """Drop the statistics recorded since the last update (e.g. after a skipped optimizer step)."""
+        self._pending_scores, self._pending_load, self._pending_batches = [], None, 0
+
+    @torch.no_grad()
+    def update_balancer(self) -> None:
+        """Set the bias for the next optimizer step from every micro-batch recorded in this one.
+
+        Call exactly once per optimizer step, after the last micro-batch's forward, on every rank. A no-op
+        for the ``aux_loss`` and ``none`` balancers, and when nothing was recorded (single process).
+        """
+        if self.balancer not in ("quantile", "aux_free"):
+            return
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        device = self.expert_bias.device
+        if self.balancer == "quantile":
+            if not self._pending_scores and not distributed:
+                return
+            scores = (torch.cat(self._pending_scores).to(device) if self._pending_scores
+                      else torch.zeros(0, self.n_experts, device=device))
+            if distributed:
+                scores = _all_gather_rows(scores, self.process_group)
+            new_bias = quantile_bias(scores, self.expert_bias, self.top_k) if scores.shape[0] else None
+        else:
+            if self._pending_load is None and not distributed:
+                return
+            load = torch.zeros(self.n_experts, device=device) if self._pending_load is None else self._pending_load
+            if distributed:
+                load = load.clone()
+                dist.all_reduce(load, group=self.process_group)
+            new_bias = sign_bias_update(self.expert_bias, load, self.bias_update_rate) if load.sum() > 0 else None
+        self.reset_balancer_stats()
+        if new_bias is not None:
+            self._set_bias(new_bias)
+
+    def _set_bias(self, new_bias: torch.Tensor) -> None:
+        if self.expert_bias.dtype == torch.float32:
+            self.expert_bias.copy_(new_bias)
+        else:  # something cast the buffer behind our back (e.g. an FSDP buffer_dtype): take it back to float32
+            self._buffers["expert_bias"] = new_bias.float().to(self.expert_bias.device)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
+        """Keep ``expert_bias`` float32 through ``.to(dtype)``, ``.half()`` etc., following only the device.
+
+        The original float32 tensor is re-placed (not cast back), so no precision is lost.
+        """
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        moved = self.expert_bias
+        if moved.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(device=moved.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, n_experts={self.n_experts}, top_k={self.top_k}, expert_dim={self.expert_dim}, "
+            f"n_shared_experts={self.n_shared_experts}, balancer={self.balancer!r}"
+        )
+
+
+def _all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate ``[m_r, n]`` tensors of different lengths from every rank (rank order)."""
+    world = dist.get_world_size(group)
+    rows = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.zeros_like(rows) for _ in range(world)]
+    dist.all_gather(sizes, rows, group=group)
+    sizes = [int(s) for s in sizes]
+    padded = t.new_zeros(max(sizes), t.shape[1])
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+
+def update_balancers(model: nn.Module) -> None:
+    """Call :meth:`MoE.update_balancer` on every MoE inside ``model`` (once per optimizer step)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.update_balancer()

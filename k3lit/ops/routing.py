@@ -1,0 +1,176 @@
+"""MoE routing and load balancing as pure functions (no state, no ``nn.Module``).
+
+Notation (REFERENCE.md §2): ``m`` tokens, ``n`` experts, ``k`` experts per token, router scores
+``s = sigmoid(W_r x) ∈ (0, 1)^{m×n}``, a float32 expert bias ``b ∈ R^n`` that steers *selection only*,
+and the target load ``q = m k / n`` tokens per expert.
+
+Balancers:
+
+* :func:`quantile_bias` -- Quantile Balancing (Kimi K3): one exact coordinate step on the dual of the
+  balanced-assignment LP, computed from the pooled scores of one optimizer step.
+* :func:`sign_bias_update` -- the loss-free sign rule (DeepSeek-V3): ``b_j += u · sign(mean_load - load_j)``.
+* :func:`aux_loss` -- the Switch/GShard auxiliary loss ``n · Σ_j f_j P_j`` (the caller applies its
+  coefficient).
+
+Metrics: :func:`expert_load` and :func:`max_violation` (``MaxVio``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["route", "quantile_bias", "sign_bias_update", "aux_loss", "expert_load", "max_violation"]
+
+
+def _check_scores_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, k_max: int) -> None:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [m, n], got shape {tuple(scores.shape)}")
+    n = scores.shape[1]
+    if bias.shape != (n,):
+        raise ValueError(f"bias must be [n] = [{n}], got shape {tuple(bias.shape)}")
+    if not 1 <= k <= k_max:
+        raise ValueError(f"k must satisfy 1 <= k <= {k_max} for n = {n} experts, got k = {k}")
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert selection with a selection-only bias, and normalised gate weights.
+
+    ``T_i = top-k_j(s_ij + b_j)``,  ``p_ij = s_ij / Σ_{r ∈ T_i} s_ir`` for ``j ∈ T_i``.
+
+    Args:
+        scores: ``[m, n]`` router scores in ``(0, 1)`` (float32, or float64 in tests); may require grad.
+        bias: ``[n]`` float32 expert bias; used for the selection only, never for the weights.
+        k: experts per token, ``1 <= k <= n``.
+
+    Returns:
+        ``(expert_idx [m, k] int64, weights [m, k])``; weights have the dtype of ``scores``, sum to one
+        per token and are differentiable with respect to ``scores`` (the selection is not).
+    """
+    _check_scores_bias(scores, bias, k, scores.shape[1])
+    with torch.no_grad():
+        expert_idx = (scores.detach() + bias.to(scores.dtype)).topk(k, dim=-1).indices
+    chosen = scores.gather(1, expert_idx)
+    return expert_idx, chosen / chosen.sum(dim=-1, keepdim=True)
+
+
+def quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, *, center: bool = True) -> torch.Tensor:
+    """Quantile Balancing: the exact pooled-quantile bias for the next optimizer step (REFERENCE.md §2).
+
+    1. ``alpha_i`` = the (k+1)-th largest value of ``s_i + b`` (the token's cut-off).
+    2. ``b'_j = -quantile_{1-k/n}(s_{:,j} - alpha) = quantile_{k/n}(r_{:,j})`` with the *required bias*
+       ``r_ij = alpha_i - s_ij`` (token i picks expert j iff ``s_ij + b'_j > alpha_i`` iff ``r_ij < b'_j``).
+    3. ``b' <- b' - mean(b')`` (selection is invariant to a common shift).
+
+    Quantile definition. ``quantile_p`` is the Hazen (Hyndman-Fan type 5) sample quantile: over the sorted
+    column ``r_(0) <= ... <= r_(m-1)`` it interpolates linearly at the 0-based position ``m p - 1/2``,
+    clamped to ``[0, m - 1]``. With ``p = k/n`` the position is ``q - 1/2``, so (for distinct values and with
+    ``alpha`` held fixed) exactly ``round(q)`` tokens satisfy ``r_ij < b'_j``: every expert is given the
+    integer load nearest to ``q = m k / n``, also when ``q`` is not an integer, and the bias sits halfway
+    between two tokens' required biases instead of on one (no ties at the boundary). Hazen is symmetric,
+    ``Q_{1-p}(-r) = -Q_p(r)``, so the two forms of step 2 agree exactly (``numpy.quantile(...,
+    method="hazen")`` computes the same number).
+
+    ``scores`` must hold *all* tokens of the optimizer step (all micro-batches, all ranks): this is the
+    pooled quantile, not an average of per-batch quantiles. The new bias is meant for the next step.
+
+    Args:
+        scores: ``[m, n]`` router scores (float32; detached is fine, no gradient is taken).
+        bias: ``[n]`` float32 bias that routed these tokens.
+        k: experts per token, ``1 <= k < n`` (the (k+1)-th value must exist).
+        center: subtract the mean (default, as in the reference); ``False`` returns the raw quantiles
+            that hit ``round(q)`` against the current ``alpha`` (for tests).
+
+    Returns:
+        ``[n]`` float32 new bias.
+    """
+    _check_scores_bias(scores, bias, k, scores.shape[1] - 1)
+    m, n = scores.shape
+    if m == 0:
+        return bias.detach().float().clone()
+    with torch.no_grad():
+        s = scores.detach().float()
+        alpha = (s + bias.float()).topk(k + 1, dim=-1).values[:, -1]  # [m]
+        required = alpha[:, None] - s  # [m, n]
+        pos = min(max(m * k / n - 0.5, 0.0), m - 1.0)
+        lo = math.floor(pos)
+        hi = min(lo + 1, m - 1)
+        frac = pos - lo
+        r_lo = required.kthvalue(lo + 1, dim=0).values
+        r_hi = required.kthvalue(hi + 1, dim=0).values if hi != lo else r_lo
+        new_bias = r_lo + frac * (r_hi - r_lo)
+        if center:
+            new_bias = new_bias - new_bias.mean()
+    return new_bias.float()
+
+
+def sign_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """Loss-free balancing (DeepSeek-V3): ``b_j <- b_j + u · sign(mean_j(load) - load_j)``.
+
+    Args:
+        bias: ``[n]`` float32 current bias.
+        load: ``[n]`` tokens routed to each expert over the optimizer step (any real dtype).
+        rate: the step ``u`` (1e-3 in the paper).
+
+    Returns:
+        ``[n]`` float32 new bias.
+    """
+    if load.shape != bias.shape:
+        raise ValueError(f"load must have the bias shape {tuple(bias.shape)}, got {tuple(load.shape)}")
+    load = load.detach().float()
+    return (bias.detach().float() + rate * torch.sign(load.mean() - load)).float()
+
+
+def aux_loss(scores: torch.Tensor, expert_idx: torch.Tensor, n_experts: int, k: int) -> torch.Tensor:
+    """Switch/GShard load-balancing loss ``n · Σ_j f_j P_j`` (unscaled: the caller multiplies by α).
+
+    ``f_j = |{(i, r): idx_ir = j}| / (m k)`` is the fraction of routed slots that go to expert j (not
+    differentiable), ``P_j = mean_i (s_ij / Σ_r s_ir)`` the mean normalised router probability
+    (differentiable). Equals 1 for a perfectly uniform router; larger when load and probability
+    concentrate on the same experts.
+
+    Args:
+        scores: ``[m, n]`` router scores (requires grad for the loss to train the router).
+        expert_idx: ``[m, k]`` int64 selection from :func:`route`.
+        n_experts: ``n``.
+        k: experts per token.
+
+    Returns:
+        scalar in the dtype of ``scores``.
+    """
+    m = scores.shape[0]
+    if m == 0:
+        return scores.sum() * 0.0
+    f = expert_load(expert_idx, n_experts).to(scores.dtype) / (m * k)
+    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
+    return n_experts * (f * p).sum()
+
+
+def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Tokens routed to each expert: ``load_j = |{(i, r): idx_ir = j}|``.
+
+    Args:
+        expert_idx: ``[..., k]`` int64 expert indices.
+        n: number of experts.
+
+    Returns:
+        ``[n]`` float32 counts (exact below 2^24 per expert).
+    """
+    return torch.bincount(expert_idx.reshape(-1), minlength=n).float()
+
+
+def max_violation(load: torch.Tensor, k: int, m: int | float) -> torch.Tensor:
+    """``MaxVio = (max_j load_j - mean_load) / mean_load`` with ``mean_load = m k / n``.
+
+    Args:
+        load: ``[n]`` or ``[L, n]`` tokens per expert (per layer).
+        k: experts per token.
+        m: tokens the load was counted over.
+
+    Returns:
+        scalar (for ``[n]``) or ``[L]`` float32.
+    """
+    n = load.shape[-1]
+    mean_load = m * k / n
+    return ((load.float().amax(dim=-1) - mean_load) / mean_load).float()
