@@ -28,6 +28,8 @@ depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -348,23 +350,28 @@ def _main_bwd(
     A = tl.where(m_lo, tl.dot(kup, tl.trans(kdn)), 0.0)
     db += tl.sum(dL * A, axis=1)
     dA = _op(dL * b_beta[:, None], F32)
-    dAq = _op(tl.where(m_le, dAq, 0.0) * scale, F32)
+    # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
+    # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
+    # true dg is as small as exp(g_min)).
+    d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
+    dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
     # O's state term scale (Q⊙exp(G)) S
     b_dq = dQg * e_g * scale
     dG += b_dq * b_q
-    # dense pair terms of A and Aq
+    # dense pair terms of A and Aq (strictly lower)
     dq_p = tl.dot(dAq, kdn) * up
     dk_r = tl.dot(dA, kdn) * up
     dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
-    b_dq += dq_p
-    b_dk += dk_r + dk_c
+    b_dq += dq_p + d_ii[:, None] * b_k
+    b_dk += dk_r + dk_c + d_ii[:, None] * b_q
     dG += b_q * dq_p + b_k * (dk_r - dk_c)
-    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
+    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
     e_d = tl.exp(g_last[None, :] - b_G)
     b_kd = b_k * e_d
     b_dk += dKd * e_d
-    dG -= dKd * b_kd
-    dGl = dGs * tl.exp(g_last) + tl.sum(dKd * b_kd, axis=0)
+    x_kd = tl.where((rows == n_valid - 1)[:, None], 0.0, dKd * b_kd)
+    dG -= x_kd
+    dGl = dGs * tl.exp(g_last) + tl.sum(x_kd, axis=0)
     dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
     b_dg = tl.cumsum(dG, axis=0, reverse=True)
     tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
@@ -416,6 +423,12 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float32 else torch.bfloat16
 
 
+def _f32_operands(dtype: torch.dtype) -> bool:
+    """float32 matrix operands for float32 inputs, and always under the interpreter (which multiplies
+    bfloat16 operands in float16, where the rebased exponentials overflow)."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
     """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers."""
     BK = _pow2(K)
@@ -433,12 +446,12 @@ def chunk_fwd(
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cu, cidx, coff, NC = chunk_meta(cu_seqlens, B, T, C, q.device)
     wdt = _work_dtype(q.dtype)
-    F32 = q.dtype == torch.float32
+    F32 = _f32_operands(q.dtype)
     Gc = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
     Aq = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     Mi = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
-    U = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
+    U = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)  # read once by the scan; keeps ht exact-er
     D = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     h = torch.empty(max_chunks(B * T, N, C), H, K, V, device=q.device, dtype=wdt)
     o = torch.empty_like(v)
@@ -469,7 +482,7 @@ def chunk_bwd(
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cu, cidx, coff, NC = chunk_meta(cu_seqlens, B, T, C, q.device)
-    F32 = q.dtype == torch.float32
+    F32 = _f32_operands(q.dtype)
     wdt = _work_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)

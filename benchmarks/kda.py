@@ -1,0 +1,235 @@
+"""KDA kernels: k3lit's Triton kernels vs fla ``chunk_kda(safe_gate=True, lower_bound=-5)`` vs torch SDPA.
+
+Correctness first: ours (and fla, when installed) against the float64 token-by-token reference on the
+same bf16 inputs; on a red gate no timing is reported. Then bf16 forward and forward+backward median times
+(``triton.testing.do_bench``), tokens/s and TFLOP/s, written to ``benchmarks/RESULTS.md`` (section
+"KDA kernels"; other sections are kept).
+
+FLOP model (the same for both KDA implementations, so TFLOP/s compare like with like): per token and head,
+with chunk C = 64, forward = 6CK + 4CV + 6KV (A_kk, A_qk, W, U, W S, Q S, Aq Delta, state update) and
+forward+backward = 3x forward. SDPA causal: forward 2 T^2 D per head (half of 4 T^2 D), backward 2.5x.
+
+Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--results benchmarks/RESULTS.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from k3lit.kernels.kda import kda_triton  # noqa: E402
+from k3lit.ops.kda import kda_reference  # noqa: E402
+
+G_MIN = -5.0
+TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dh0": 0.008}
+SHAPES = [  # (B, T, H, D)
+    (8, 2048, 16, 128),
+    (4, 4096, 16, 128),
+    (2, 8192, 16, 128),
+    (1, 16384, 16, 128),
+    (1, 32768, 16, 128),
+    (1, 65536, 16, 128),
+    (1, 8192, 96, 128),
+    (8, 2048, 32, 256),
+]
+
+
+def load_fla():
+    try:
+        from fla.ops.kda import chunk_kda
+
+        return chunk_kda
+    except Exception as e:  # noqa: BLE001 - report any import failure and run without fla
+        print(f"fla not available: {e!r}")
+        return None
+
+
+def ours(q, k, v, g, beta, h0=None, cu=None):
+    return kda_triton(q, k, v, g, beta, None, h0, h0 is not None, cu, g_min=G_MIN)
+
+
+def make_fla(chunk_kda):
+    def run(q, k, v, g, beta, h0=None, cu=None):
+        return chunk_kda(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
+                         output_final_state=h0 is not None, safe_gate=True, lower_bound=G_MIN, cu_seqlens=cu)
+
+    return run
+
+
+def inputs(B, T, H, K, V, device="cuda", requires_grad=False, h0=False):
+    q = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, V, device=device).bfloat16()
+    g = G_MIN * torch.sigmoid(torch.randn(B, T, H, K, device=device) * 2)
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device)).bfloat16()
+    xs = [q, k, v, g, beta]
+    if h0:
+        xs.append(torch.randn(B, H, K, V, device=device) * 0.5)
+    return [x.requires_grad_(requires_grad) for x in xs]
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+
+
+def errors(fn, xs, cu=None):
+    """Relative RMS errors of o, ht and every gradient against the float64 reference on the same values."""
+    a = [x.detach().clone().requires_grad_() for x in xs]
+    r = [x.detach().double().requires_grad_() for x in xs]
+    o, ht = fn(*a, cu=cu) if cu is not None else fn(*a)
+    o_r, ht_r = kda_reference(*r[:5], None, r[5], True, cu)
+    do, dht = torch.randn_like(o_r), torch.randn_like(ht_r)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_r * do).sum() + (ht_r * dht).sum()).backward()
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    out = {"o": rel(o, o_r), "ht": rel(ht, ht_r)}
+    out.update({n: rel(x.grad, y.grad) for n, x, y in zip(names, a, r)})
+    return out
+
+
+def correctness(fla_fn) -> tuple[bool, list[str]]:
+    torch.manual_seed(0)
+    cases = [("B2 T1024 H4 D128", (2, 1024, 4, 128, 128), None), ("B1 T1000 H4 D64", (1, 1000, 4, 64, 64), None)]
+    cu = torch.tensor([0, 17, 300, 301, 1024], device="cuda", dtype=torch.int64)
+    cases.append(("varlen 4 seqs T1024 H4 D128", (1, 1024, 4, 128, 128), cu))
+    lines = ["| case | impl | " + " | ".join(TOL) + " |", "|---|---|" + "---|" * len(TOL)]
+    ok = True
+    for name, shape, c in cases:
+        B, T, H, K, V = shape
+        xs = inputs(B, T, H, K, V, h0=True)
+        if c is not None:
+            xs[5] = xs[5].new_zeros(4, H, K, V).normal_()
+        impls = [("k3lit", ours)] + ([("fla", fla_fn)] if fla_fn is not None else [])
+        for impl, fn in impls:
+            try:
+                e = errors(fn, xs, c)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{impl} failed on {name}: {exc!r}")
+                if impl == "k3lit":
+                    raise
+                continue
+            if impl == "k3lit":
+                ok &= all(e[n] <= TOL[n] for n in TOL)
+            lines.append(f"| {name} | {impl} | " + " | ".join(f"{e[n]:.2e}" for n in TOL) + " |")
+            print(lines[-1], flush=True)
+    return ok, lines
+
+
+def bench(fn, rep=100):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def time_kda(fn, B, T, H, D):
+    xs = inputs(B, T, H, D, D, requires_grad=True)
+    t0 = time.time()
+    fn(*xs)[0].sum().backward()
+    torch.cuda.synchronize()
+    print(f"  first fwd+bwd call at {(B, T, H, D)}: {time.time() - t0:.1f} s", flush=True)
+    with torch.no_grad():
+        fwd = bench(lambda: fn(*xs))
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fb():
+        o, _ = fn(*xs)
+        o.backward(do)
+
+    fwdbwd = bench(fb)
+    del xs
+    return fwd, fwdbwd
+
+
+def time_sdpa(B, T, H, D):
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    do = torch.randn_like(q)
+
+    def fb():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+
+    return fwd, bench(fb)
+
+
+def kda_flops(B, T, H, D, C=64):
+    return B * T * H * (6 * C * D + 4 * C * D + 6 * D * D)
+
+
+def write_results(path, body):
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    section = "## KDA kernels\n\n" + body.strip() + "\n"
+    if re.search(r"^## KDA kernels\n", text, flags=re.M):
+        text = re.sub(r"^## KDA kernels\n.*?(?=^## |\Z)", section + "\n", text, flags=re.M | re.S)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text.rstrip() + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="only the first two shapes")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    args = ap.parse_args()
+    import triton
+
+    fla_fn = None if args.no_fla else load_fla()
+    fla_run = make_fla(fla_fn) if fla_fn is not None else None
+    gpu = torch.cuda.get_device_name()
+    head = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}"
+            + (", fla-core " + __import__("fla").__version__ if fla_fn is not None else ", fla not installed")
+            + ". bf16 inputs, g = -5 sigmoid(.) float32, K = V = D.")
+    ok, lines = correctness(fla_run)
+    body = [head, "", "Correctness: relative RMS error against the float64 token-by-token reference on the same "
+            "bf16 inputs (tolerances: " + ", ".join(f"{n} {t}" for n, t in TOL.items()) + ").", "", *lines, ""]
+    if not ok:
+        body.append("**Gate red: k3lit's errors exceed the tolerances; no timings reported.**")
+        write_results(args.results, "\n".join(body))
+        print("\n".join(body))
+        sys.exit(1)
+    body += ["Median ms (triton.testing.do_bench); speedup = fla / k3lit; TFLOP/s by the FLOP model in "
+             "benchmarks/kda.py; Mtok/s = B T / time.", "",
+             "| B | T | H | D | k3lit fwd | fla fwd | SDPA fwd | fwd speedup | k3lit f+b | fla f+b | SDPA f+b "
+             "| f+b speedup | k3lit f+b Mtok/s | k3lit f+b TFLOP/s | fla f+b TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for B, T, H, D in shapes:
+        t0 = time.time()
+        ours_t = time_kda(ours, B, T, H, D)
+        fla_t = (math.nan, math.nan)
+        if fla_run is not None:
+            try:
+                fla_t = time_kda(fla_run, B, T, H, D)
+            except Exception as exc:  # noqa: BLE001
+                print(f"fla failed at {(B, T, H, D)}: {exc!r}")
+        sdpa_t = (math.nan, math.nan) if args.no_sdpa else time_sdpa(B, T, H, D)
+        fl = kda_flops(B, T, H, D)
+        row = (f"| {B} | {T} | {H} | {D} | {ours_t[0]:.2f} | {fla_t[0]:.2f} | {sdpa_t[0]:.2f} | "
+               f"{fla_t[0] / ours_t[0]:.2f}x | {ours_t[1]:.2f} | {fla_t[1]:.2f} | {sdpa_t[1]:.2f} | "
+               f"{fla_t[1] / ours_t[1]:.2f}x | {B * T / ours_t[1] / 1e3:.1f} | {3 * fl / ours_t[1] / 1e9:.1f} | "
+               f"{3 * fl / fla_t[1] / 1e9:.1f} |")
+        body.append(row)
+        print(row, f"({time.time() - t0:.0f} s)", flush=True)
+        torch.cuda.empty_cache()
+        write_results(args.results, "\n".join(body))
+    write_results(args.results, "\n".join(body))
+    print("\n".join(body))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Triton KDA kernels against the float64 token-by-token reference (REFERENCE.md §1).
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` (set in conftest.py) on tiny float32 shapes. GPU (``-m gpu``):
+bfloat16 inputs at training shapes, with REFERENCE.md's tolerances. Every float ``torch.empty`` made while a
+kernel runs is NaN-filled, so an output element a kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3lit.ops.kda import kda, kda_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+# float32 inputs on CPU: the interpreter's arithmetic is float32 throughout.
+TOL_F32 = 2e-5
+# REFERENCE.md: bf16 inputs against a float64 reference, relative RMS error.
+TOL_BF16 = {"o": 0.005, "ht": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "g": 0.02, "beta": 0.02, "h0": 0.008}
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """NaN-fill every floating torch.empty / empty_like / new_empty (unwritten outputs then fail)."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: fill(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: fill(new_empty(self, *a, **kw)))
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.float32, g_min=-5.0, gate="random", collinear=False, N=None, device=DEV):
+    q = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    if collinear:  # every key within ~1e-3 of one direction: A_kk entries near 1, M badly conditioned
+        base = torch.randn(1, 1, H, K, device=device)
+        k = F.normalize(base + 1e-3 * torch.randn(B, T, H, K, device=device), dim=-1)
+    else:
+        k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1)
+    v = torch.randn(B, T, H, V, device=device)
+    if gate == "min":
+        g = torch.full((B, T, H, K), g_min, device=device)
+    elif gate == "zero":
+        g = torch.zeros(B, T, H, K, device=device)
+    else:
+        g = g_min * torch.sigmoid(torch.randn(B, T, H, K, device=device) * 2)
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device))
+    h0 = torch.randn(N or B, H, K, V, device=device) * 0.5
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    return q, k, v, g, beta, h0
+
+
+def run_both(inputs, cu_seqlens=None, g_min=-5.0, use_h0=True, fn=None):
+    """Forward + backward of the Triton op and of the float64 reference on the same (rounded) values."""
+    from k3lit.kernels.kda import kda_triton
+
+    fn = fn or (lambda *a, **kw: kda_triton(*a, **kw, g_min=g_min))
+    ours = [x.detach().clone().requires_grad_() for x in inputs]
+    ref = [x.detach().double().requires_grad_() for x in inputs]
+    h0_o, h0_r = (ours[5], ref[5]) if use_h0 else (None, None)
+    o, ht = fn(*ours[:5], None, h0_o, True, cu_seqlens)
+    o_r, ht_r = kda_reference(*ref[:5], None, h0_r, True, cu_seqlens)
+    do = torch.randn_like(o_r)
+    dht = torch.randn_like(ht_r)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_r * do).sum() + (ht_r * dht).sum()).backward()
+    err = {"o": rel_rms(o, o_r), "ht": rel_rms(ht, ht_r)}
+    for name, a, b in zip(NAMES, ours, ref):
+        if name == "h0" and not use_h0:
+            continue
+        err[name] = rel_rms(a.grad, b.grad)
+    return err
+
+
+def assert_errors(err, tol):
+    bad = {n: e for n, e in err.items() if not e <= (tol[n] if isinstance(tol, dict) else tol)}
+    assert not bad, f"relative RMS errors above tolerance: {bad} (all: {err})"
+
+
+@pytest.mark.parametrize(
+    "B,T,H,K,V",
+    [
+        (1, 1, 1, 16, 16),  # T = 1
+        (2, 20, 2, 24, 20),  # T below the chunk, K and V not powers of two
+        (1, 70, 1, 16, 32),  # T not a multiple of the chunk, three chunks
+    ],
+)
+def test_forward_backward_matches_reference(seed, B, T, H, K, V):
+    assert_errors(run_both(make_inputs(B, T, H, K, V)), TOL_F32)
+
+
+@pytest.mark.parametrize("gate", ["min", "zero"])
+def test_gate_edges(seed, gate):
+    """g = g_min everywhere puts the rebased exponents at their bound (80 at C = 32); g = 0 means no decay."""
+    assert_errors(run_both(make_inputs(1, 40, 1, 16, 16, gate=gate)), TOL_F32)
+
+
+def test_strong_bound_small_chunk(seed):
+    """g_min = -10 forces C = 16 (exponent bound 80); gate pinned at the bound."""
+    assert_errors(run_both(make_inputs(1, 37, 1, 16, 16, g_min=-10.0, gate="min"), g_min=-10.0), TOL_F32)
+
+
+def test_near_collinear_keys(seed):
+    assert_errors(run_both(make_inputs(1, 40, 1, 16, 16, collinear=True)), 1e-4)
+
+
+def test_no_initial_state(seed):
+    assert_errors(run_both(make_inputs(2, 9, 1, 16, 16), use_h0=False), TOL_F32)
+
+
+def test_varlen_equals_separate_sequences(seed):
+    from k3lit.kernels.kda import kda_triton
+
+    lens = [5, 33, 0, 12]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=DEV)
+    inputs = make_inputs(1, sum(lens), 1, 16, 16, N=len(lens))
+    assert_errors(run_both(inputs, cu_seqlens=cu), TOL_F32)
+    q, k, v, g, beta, h0 = inputs
+    o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu)
+    for n, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_n, ht_n = kda_triton(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], None,
+                               h0[n : n + 1], True)
+        torch.testing.assert_close(o[:, lo:hi], o_n, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ht[n : n + 1], ht_n, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_inputs(seed):
+    """bf16 operands with float32 accumulation stay inside REFERENCE.md's tolerances."""
+    assert_errors(run_both(make_inputs(1, 40, 2, 16, 32, dtype=torch.bfloat16)), TOL_BF16)
+
+
+def test_dispatch_backend_triton(seed):
+    q, k, v, g, beta, h0 = make_inputs(1, 10, 1, 16, 16)
+    o, ht = kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="triton")
+    o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(), True)
+    assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
+
+
+def test_recurrent_and_decode(seed):
+    from k3lit.kernels.kda import kda_decode_triton, kda_recurrent_triton
+
+    lens = [3, 0, 7]
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int64, device=DEV)
+    q, k, v, g, beta, h0 = make_inputs(1, sum(lens), 2, 20, 24, N=3)
+    o, ht = kda_recurrent_triton(q, k, v, g, beta, None, h0, True, cu)
+    o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(),
+                              True, cu)
+    assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
+    q, k, v, g, beta, h0 = make_inputs(3, 1, 2, 20, 24)
+    state = h0.clone()
+    o, s = kda_decode_triton(q, k, v, g, beta, state)
+    o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(), True)
+    assert s is state and rel_rms(o, o_r) < TOL_F32 and rel_rms(state, ht_r) < TOL_F32
+
+
+def test_errors():
+    from k3lit.kernels.kda import kda_decode_triton, kda_triton
+
+    q, k, v, g, beta, h0 = make_inputs(1, 4, 1, 16, 16)
+    with pytest.raises(ValueError, match="overflows"):
+        kda_triton(q, k, v, g, beta, g_min=-12.0)  # |g_min| * ceil(15 / 2) = 96 > 88 even at C = 16
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_triton(q, k, v, g, beta, chunk_size=128)
+    big = torch.zeros(1, 4, 1, 300)
+    with pytest.raises(ValueError, match="K, V <= 256"):
+        kda_triton(big, big, big, big, beta.cpu())
+    with pytest.raises(ValueError, match="T = 1"):
+        kda_decode_triton(q, k, v, g, beta, h0)
+
+
+def test_torch_compile_no_graph_break(seed):
+    """fullgraph=True fails on any graph break; aot_eager also traces the backward through the fake kernels."""
+    from k3lit.kernels.kda import kda_triton
+
+    q, k, v, g, beta, h0 = (x.requires_grad_() for x in make_inputs(1, 12, 1, 16, 16))
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = kda_triton(q, k, v, g, beta, None, h0, True)
+        return o.float().square().sum() + ht.sum()
+
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, h0)
+    loss.backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o_r, ht_r = kda_reference(*ref[:5], None, ref[5], True)
+    (o_r.square().sum() + ht_r.sum()).backward()
+    for name, a, b in zip(NAMES, (q, k, v, g, beta, h0), ref):
+        assert rel_rms(a.grad, b.grad) < TOL_F32, name
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: bf16 inputs at training shapes, REFERENCE.md tolerances
+# ------------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    "B,T,H,K,V,dtype",
+    [
+        (2, 1024, 4, 128, 128, torch.bfloat16),
+        (1, 777, 2, 64, 64, torch.bfloat16),
+        (1, 512, 2, 256, 256, torch.bfloat16),
+        (1, 300, 2, 100, 72, torch.bfloat16),
+        (1, 512, 2, 128, 128, torch.float16),
+    ],
+)
+def test_gpu_matches_reference(seed, B, T, H, K, V, dtype):
+    assert_errors(run_both(make_inputs(B, T, H, K, V, dtype=dtype, device="cuda")), TOL_BF16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("gate", ["min", "zero"])
+def test_gpu_gate_edges(seed, gate):
+    assert_errors(run_both(make_inputs(1, 256, 2, 128, 128, dtype=torch.bfloat16, gate=gate, device="cuda")),
+                  TOL_BF16)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_varlen(seed):
+    lens = [1, 100, 64, 300, 31]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
+    inputs = make_inputs(1, sum(lens), 2, 128, 128, dtype=torch.bfloat16, N=len(lens), device="cuda")
+    assert_errors(run_both(inputs, cu_seqlens=cu), TOL_BF16)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_matches_reference(seed):
+    from k3lit.kernels.kda import kda_decode_triton
+
+    q, k, v, g, beta, h0 = make_inputs(4, 1, 8, 128, 128, dtype=torch.bfloat16, device="cuda")
+    state = h0.clone()
+    o, _ = kda_decode_triton(q, k, v, g, beta, state)
+    o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(), True)
+    assert rel_rms(o, o_r) < TOL_BF16["o"] and rel_rms(state, ht_r) < TOL_BF16["ht"]
