@@ -271,7 +271,7 @@ def _all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     padded[: t.shape[0]] = t
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+    return torch.cat([p[:s] for p, s in zip(parts, sizes, strict=True)])
 
 
 def update_balancers(model: nn.Module) -> None:

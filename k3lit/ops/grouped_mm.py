@@ -61,7 +61,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     ends = offsets.tolist()
     starts = [0, *ends[:-1]]
-    parts = [x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends)) if e > s]
+    parts = [x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
     if ends and ends[-1] < x.shape[0]:  # rows past the last group belong to no group
         parts.append(x.new_zeros(x.shape[0] - ends[-1], w.shape[-1]))
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])

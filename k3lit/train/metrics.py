@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torchmetrics import Metric
 
@@ -65,3 +69,17 @@ class ExpertLoad(Metric):
             "max_vio": ((load.amax(dim=-1) - mean_load) / mean_load).float(),
             "fraction": (load / routed).float(),
         }
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        """torchmetrics squeezes one-element results; keep ``[L]`` and ``[L, n]`` also for one layer / expert."""
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(compute)
+        def keep_shapes(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+            out = wrapped(*args, **kwargs)
+            return {
+                "max_vio": out["max_vio"].reshape(self.n_layers),
+                "fraction": out["fraction"].reshape(self.n_layers, self.n_experts),
+            }
+
+        return keep_shapes

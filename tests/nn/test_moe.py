@@ -1,0 +1,254 @@
+"""MoE layer: grouped matmul, parity with a per-token loop, the float32 bias, and balancer bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from k3lit.nn import MoE, SwiGLU, update_balancers
+from k3lit.ops import grouped_mm, max_violation, quantile_bias, sign_bias_update
+from k3lit.ops.grouped_mm import native_grouped_mm_supported
+
+
+def _offsets(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def _per_expert(x, w, counts):
+    out, start = [], 0
+    for e, c in enumerate(counts):
+        out.append(x[start : start + c] @ w[e])
+        start += c
+    return torch.cat(out)
+
+
+# ----------------------------------------------------------------------------------------- grouped_mm
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 7], [1], [4, 4, 0, 0]])
+def test_grouped_mm_matches_per_expert_loop_float64(seed, counts):
+    E, d, f = len(counts), 5, 3
+    x = torch.randn(sum(counts), d, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(E, d, f, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(sum(counts), f, dtype=torch.float64)
+    out = grouped_mm(x, w, _offsets(counts))
+    gx, gw = torch.autograd.grad(out, (x, w), g)
+    ref = _per_expert(x, w, counts)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)  # empty experts get an exact zero gradient
+    assert torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, _offsets(counts)), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_native_and_fallback_agree(seed, dtype):
+    """On this CPU torch's F.grouped_mm runs for float32/bfloat16 with 16-byte aligned rows: both paths agree."""
+    counts = [5, 0, 9, 2]
+    x = torch.randn(sum(counts), 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 16, 32, dtype=dtype, requires_grad=True)
+    if not native_grouped_mm_supported(x, w):
+        pytest.skip("torch.nn.functional.grouped_mm is not available for these operands in this build")
+    offs = _offsets(counts)
+    native = grouped_mm(x, w, offs, backend="native")
+    loop = grouped_mm(x, w, offs, backend="loop")
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native, loop, **tol)
+    # backward, including the stride-0 gradient of .sum() that the native kernel needs made dense
+    gn = torch.autograd.grad(native.sum(), (x, w))
+    gl = torch.autograd.grad(loop.sum(), (x, w))
+    for a, b in zip(gn, gl, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_grouped_mm_unaligned_falls_back(seed):
+    x, w = torch.randn(6, 5), torch.randn(2, 5, 3)  # 20-byte rows: the native kernel refuses them
+    assert not native_grouped_mm_supported(x, w)
+    torch.testing.assert_close(grouped_mm(x, w, _offsets([2, 4])), _per_expert(x, w, [2, 4]))
+
+
+# --------------------------------------------------------------------------------------------- MoE
+def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert, straight from the definition."""
+    B, T, D = x.shape
+    out = torch.zeros_like(x)
+    wr = moe.router.weight
+    for b in range(B):
+        for t in range(T):
+            xi = x[b, t]
+            s = torch.sigmoid(wr @ xi)
+            chosen = (s + moe.expert_bias.to(s.dtype)).topk(moe.top_k).indices
+            y = torch.zeros(D, dtype=x.dtype)
+            for j in chosen.tolist():
+                gu = xi @ moe.w_gate_up[j]
+                gate, up = gu[: moe.expert_dim], gu[moe.expert_dim :]
+                y = y + s[j] / s[chosen].sum() * ((F.silu(gate) * up) @ moe.w_down[j])
+            if moe.shared is not None:
+                y = y + moe.shared(xi)
+            out[b, t] = y
+    return out
+
+
+@pytest.mark.parametrize("n_shared", [0, 2])
+def test_moe_matches_per_token_loop_float64(seed, n_shared):
+    moe = MoE(dim=12, n_experts=6, top_k=2, expert_dim=7, n_shared_experts=n_shared).double()
+    moe.expert_bias.copy_(torch.randn(6) * 0.3)  # the bias must steer the selection
+    x = torch.randn(2, 9, 12, dtype=torch.float64, requires_grad=True)
+    out = moe(x)
+    ref = _naive_moe(moe, x)
+    torch.testing.assert_close(out, ref)
+    params = [x, moe.router.weight, moe.w_gate_up, moe.w_down]
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, params, g)
+    want = torch.autograd.grad(ref, params, g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_swiglu_is_silu_gate_times_up(seed):
+    mlp = SwiGLU(8, 5).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    wg, wu = mlp.w_gate_up.weight[:5], mlp.w_gate_up.weight[5:]
+    torch.testing.assert_close(mlp(x), (F.silu(x @ wg.T) * (x @ wu.T)) @ mlp.w_down.weight.T)
+
+
+def test_bad_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="balancer"):
+        MoE(8, 4, 2, 8, balancer="quantiles")
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(8, 4, 4, 8, balancer="quantile")
+    with pytest.raises(ValueError, match="expert_dim"):
+        MoE(8, 4, 2, 0)
+    MoE(8, 4, 4, 8, balancer="none")  # k = n is fine without quantile balancing
+
+
+def test_bias_stays_float32_under_casts(seed):
+    moe = MoE(16, 8, 2, 16)
+    bias = torch.randn(8) * 1e-3 + 0.1234567  # not representable in bfloat16 or float16
+    moe.expert_bias.copy_(bias)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double(), lambda m: m.float()):
+        moe = cast(moe)
+        assert moe.expert_bias.dtype == torch.float32
+        assert torch.equal(moe.expert_bias, bias)  # no lossy round trip
+    moe = moe.to(torch.bfloat16)
+    assert moe.w_gate_up.dtype == torch.bfloat16 and moe.router.weight.dtype == torch.bfloat16
+    # Lightning's bf16-true precision converts the module the same way
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    moe = HalfPrecision("bf16-true").convert_module(moe)
+    assert moe.expert_bias.dtype == torch.float32 and torch.equal(moe.expert_bias, bias)
+    # a bf16 module still routes and balances in float32
+    moe.train()
+    y = moe(torch.randn(2, 8, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    moe.update_balancer()
+    assert moe.expert_bias.dtype == torch.float32
+    # state dict round trip keeps float32
+    other = MoE(16, 8, 2, 16).to(torch.bfloat16)
+    other.load_state_dict(moe.state_dict())
+    assert other.expert_bias.dtype == torch.float32 and torch.equal(other.expert_bias, moe.expert_bias)
+
+
+def test_autocast_forward_routes_in_float32(seed):
+    moe = MoE(16, 8, 2, 16, n_shared_experts=1).train()
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert moe._pending_scores[0].dtype == torch.float32
+    torch.testing.assert_close(y.float(), moe.eval()(x), atol=5e-2, rtol=5e-2)
+
+
+def test_update_once_per_optimizer_step_from_all_micro_batches(seed):
+    moe = MoE(16, 8, 2, 16).train()
+    moe.expert_bias.copy_(torch.randn(8) * 0.1)
+    bias0 = moe.expert_bias.clone()
+    micro = [torch.randn(2, 7, 16) for _ in range(3)]
+    for x in micro:
+        moe(x).sum().backward()
+        assert torch.equal(moe.expert_bias, bias0)  # never routed by a bias derived from its own batch
+    assert moe.pending_tokens == 3 * 14
+    with torch.no_grad():
+        scores = torch.cat([moe.router_scores(x.reshape(-1, 16)) for x in micro])
+    moe.update_balancer()
+    torch.testing.assert_close(moe.expert_bias, quantile_bias(scores, bias0, 2))
+    assert moe.pending_tokens == 0
+    # a second call in the same step has nothing to consume and leaves the bias alone
+    bias1 = moe.expert_bias.clone()
+    moe.update_balancer()
+    assert torch.equal(moe.expert_bias, bias1)
+
+
+def test_aux_free_sums_loads_over_micro_batches(seed):
+    moe = MoE(16, 8, 2, 16, balancer="aux_free", bias_update_rate=0.01).train()
+    total = torch.zeros(8)
+    for _ in range(3):
+        moe(torch.randn(2, 7, 16))
+        total += moe.last_load
+    moe.update_balancer()
+    torch.testing.assert_close(moe.expert_bias, sign_bias_update(torch.zeros(8), total, 0.01))
+
+
+def test_eval_mode_is_frozen(seed):
+    moe = MoE(16, 8, 2, 16).eval()
+    moe(torch.randn(2, 7, 16))
+    assert moe.pending_tokens == 0 and moe.last_load.sum() == 2 * 7 * 2
+    moe.update_balancer()
+    assert torch.equal(moe.expert_bias, torch.zeros(8))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("balancer", ["quantile", "aux_free", "aux_loss"])
+def test_no_double_counting_under_activation_checkpointing(seed, use_reentrant, balancer):
+    moe = MoE(16, 8, 2, 16, balancer=balancer).train()
+    calls = []
+    moe.register_forward_pre_hook(lambda *_: calls.append(1))
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    y = checkpoint(moe, x, use_reentrant=use_reentrant)
+    load = moe.last_load.clone()
+    aux = moe.aux_loss
+    loss = y.square().sum() + (aux if aux is not None else 0)
+    loss.backward()
+    assert len(calls) == 2  # the forward really ran again inside backward
+    assert x.grad is not None and moe.w_down.grad is not None
+    assert torch.equal(moe.last_load, load) and moe.aux_loss is aux
+    if balancer == "quantile":
+        assert moe.pending_tokens == 14 and len(moe._pending_scores) == 1
+    elif balancer == "aux_free":
+        assert moe.pending_tokens == 14
+        torch.testing.assert_close(moe._pending_load, load)
+
+
+def test_aux_loss_trains_the_router(seed):
+    moe = MoE(16, 8, 2, 16, balancer="aux_loss", aux_loss_coef=0.1).train()
+    moe(torch.randn(2, 7, 16))
+    assert moe.aux_loss is not None and moe.aux_loss.dim() == 0
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+    assert moe.w_down.grad is None  # the loss depends on the router only
+    moe.eval()
+    moe(torch.randn(2, 7, 16))
+    assert moe.aux_loss is None
+    quantile = MoE(16, 8, 2, 16).train()
+    quantile(torch.randn(2, 7, 16))
+    assert quantile.aux_loss is None
+
+
+def test_moe_quantile_balancer_balances_a_skewed_router(seed):
+    """End to end through the module: a router skewed towards a few experts, 8 optimizer steps."""
+    n, k, m = 16, 4, 16384
+    moe = MoE(32, n, k, 8).train()
+    with torch.no_grad():
+        moe.router.weight.normal_(0.0, 32**-0.5)
+        moe.router.weight[:, 0] = 0.0
+        skew = 2.0 * torch.randn(n)
+    vio = []
+    for _ in range(9):
+        x = torch.randn(1, m, 32)
+        x[..., 0] = 1.0  # a constant feature: router column 0 carries the per-expert skew
+        with torch.no_grad():
+            moe.router.weight[:, 0] = skew
+            moe(x)
+        vio.append(max_violation(moe.last_load, k, m).item())
+        update_balancers(moe)
+    print(vio)
+    assert vio[0] > 0.5 and min(vio[-3:]) < 0.08, vio

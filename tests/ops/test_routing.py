@@ -1,0 +1,145 @@
+"""Routing and balancing functions: selection, gate weights, the pooled quantile, and balancing speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from k3lit.ops import aux_loss, expert_load, max_violation, quantile_bias, route, sign_bias_update
+
+
+def _scores(m: int, n: int, skew: torch.Tensor | None = None) -> torch.Tensor:
+    logits = torch.randn(m, n)
+    return torch.sigmoid(logits if skew is None else logits + skew)
+
+
+def test_route_weights_normalised_and_bias_selects_only(seed):
+    m, n, k = 257, 12, 3
+    scores = _scores(m, n).requires_grad_(True)
+    bias = torch.randn(n) * 0.5
+    idx, w = route(scores, bias, k)
+    assert idx.dtype == torch.int64 and idx.shape == (m, k) and w.shape == (m, k)
+    # selection: the top-k of s + b (as a set per token)
+    expect = (scores.detach() + bias).topk(k, dim=-1).indices
+    assert torch.equal(idx.sort(-1).values, expect.sort(-1).values)
+    # weights: from s alone, normalised over the selected experts
+    s_sel = scores.detach().gather(1, idx)
+    torch.testing.assert_close(w.detach(), s_sel / s_sel.sum(-1, keepdim=True))
+    torch.testing.assert_close(w.sum(-1).detach(), torch.ones(m))
+    # the bias changes which experts are chosen, but not the weight formula: with a huge bias on expert 0
+    # every token picks it, and its weight is s_i0 / (sum of the selected s), not anything involving b
+    big = torch.zeros(n)
+    big[0] = 10.0
+    idx0, w0 = route(scores, big, k)
+    assert (idx0 == 0).any(-1).all()
+    s0 = scores.detach().gather(1, idx0)
+    torch.testing.assert_close(w0.detach(), s0 / s0.sum(-1, keepdim=True))
+    assert not torch.equal(idx0.sort(-1).values, idx.sort(-1).values)
+    # differentiable with respect to the scores only
+    (w * torch.randn(m, k)).sum().backward()
+    assert scores.grad is not None and scores.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("m,n,k", [(1000, 7, 3), (1024, 8, 2), (333, 64, 5), (50, 16, 15)])
+def test_quantile_bias_is_the_hazen_pooled_quantile(seed, m, n, k):
+    """Against numpy's Hazen quantile, and the load it gives with alpha held fixed: round(m k / n)."""
+    scores = _scores(m, n, torch.randn(n))
+    bias = torch.randn(n) * 0.1
+    s64, b64 = scores.double().numpy(), bias.double().numpy()
+    alpha = -np.sort(-(s64 + b64), axis=1)[:, k]  # (k+1)-th largest
+    ref = -np.quantile(s64 - alpha[:, None], 1 - k / n, axis=0, method="hazen")
+    raw = quantile_bias(scores, bias, k, center=False)
+    assert raw.dtype == torch.float32 and raw.shape == (n,)
+    np.testing.assert_allclose(raw.numpy(), ref, atol=2e-6)
+    centred = quantile_bias(scores, bias, k)
+    np.testing.assert_allclose(centred.numpy(), ref - ref.mean(), atol=2e-6)
+    # with alpha held fixed, each expert is picked by the integer count nearest to q = m k / n (q is not an
+    # integer in most cases): #{r < b'} <= round(q) <= #{r <= b'} for the required biases r = alpha - s.
+    # The "<=" side matters: every token for which expert j is the (k+1)-th choice has r_ij = b_j (the old
+    # bias) up to rounding, a mass point the quantile may land on (then the bias stays where it is).
+    target = int(np.floor(m * k / n + 0.5))
+    required = torch.from_numpy(alpha[:, None] - s64)
+    below = (required < raw.double() - 1e-6).sum(0)
+    at_or_below = (required <= raw.double() + 1e-6).sum(0)
+    assert torch.all(below <= target) and torch.all(at_or_below >= target), (target, below, at_or_below)
+    # away from the mass points the count is exact
+    exact = at_or_below == below
+    assert torch.all(((scores.double() + raw.double()) > torch.from_numpy(alpha)[:, None]).sum(0)[exact] == target)
+
+
+def test_quantile_bias_rejects_k_without_a_cutoff():
+    with pytest.raises(ValueError, match="k must satisfy"):
+        quantile_bias(torch.rand(10, 4), torch.zeros(4), 4)
+    with pytest.raises(ValueError, match="bias must be"):
+        quantile_bias(torch.rand(10, 4), torch.zeros(5), 2)
+
+
+def _simulate(balancer: str, m: int, n: int, k: int, updates: int, skew: torch.Tensor) -> list[float]:
+    """MaxVio of batch t (fresh tokens) routed with the bias from batches < t; update after each batch."""
+    bias = torch.zeros(n)
+    vio = []
+    for _ in range(updates + 1):
+        scores = _scores(m, n, skew)
+        idx, _ = route(scores, bias, k)
+        load = expert_load(idx, n)
+        vio.append(max_violation(load, k, m).item())
+        if balancer == "quantile":
+            bias = quantile_bias(scores, bias, k)
+        elif balancer == "sign":
+            bias = sign_bias_update(bias, load, 1e-3)
+    return vio
+
+
+@pytest.mark.parametrize("m,n,k", [(32768, 16, 4), (32768, 32, 8), (16384, 16, 8)])
+def test_quantile_balancing_beats_sign_and_none(seed, m, n, k):
+    # strongly skewed router: per-expert offsets of std 2 on the logits (MaxVio starts at 2 .. n/k - 1).
+    # m is large enough that the sampling noise of a fresh batch (std sqrt(m p (1-p)) per expert) stays
+    # well below the 0.05 bar.
+    skew = 2.0 * torch.randn(n)
+    quantile = _simulate("quantile", m, n, k, 10, skew)
+    sign = _simulate("sign", m, n, k, 10, skew)
+    none = _simulate("none", m, n, k, 10, skew)
+    print(f"quantile {np.round(quantile, 3)}\nsign {np.round(sign, 3)}\nnone {np.round(none, 3)}")
+    assert quantile[0] > 0.5  # the test starts skewed
+    first = next(t for t, v in enumerate(quantile + [0.0]) if v < 0.05)
+    assert first <= 10, f"quantile balancing needed more than 10 updates: {quantile}"
+    assert max(quantile[first:]) < 0.1, f"quantile balancing did not stay balanced: {quantile}"
+    assert min(none) > 0.5
+    assert min(sign) > 0.5  # u = 1e-3 moves the bias 0.01 in 10 steps: far from balanced
+
+
+def test_sign_bias_update_rule():
+    bias = torch.tensor([0.0, 0.5, -0.25, 1.0])
+    load = torch.tensor([10.0, 2.0, 6.0, 6.0])  # mean 6
+    new = sign_bias_update(bias, load, 0.1)
+    torch.testing.assert_close(new, torch.tensor([-0.1, 0.6, -0.25, 1.0]))
+    assert new.dtype == torch.float32
+
+
+def test_aux_loss_values_and_gradient(seed):
+    n, k = 4, 1
+    # uniform: f = P = 1/n -> loss 1
+    scores = torch.full((8, n), 0.5)
+    idx = torch.arange(8).remainder(n)[:, None]
+    torch.testing.assert_close(aux_loss(scores, idx, n, k), torch.tensor(1.0))
+    # all tokens on expert 0 with probability mass 0.7 there: n * 1 * 0.7 = 2.8
+    scores = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).repeat(5, 1)
+    idx = torch.zeros(5, 1, dtype=torch.int64)
+    torch.testing.assert_close(aux_loss(scores, idx, n, k), torch.tensor(2.8))
+    # gradient reaches the router logits
+    logits = torch.randn(64, 8, requires_grad=True)
+    s = torch.sigmoid(logits)
+    idx, _ = route(s, torch.zeros(8), 2)
+    aux_loss(s, idx, 8, 2).backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_expert_load_and_max_violation():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    load = expert_load(idx, 5)
+    torch.testing.assert_close(load, torch.tensor([4.0, 2.0, 1.0, 1.0, 0.0]))
+    # mean = m k / n = 4 * 2 / 5 = 1.6 -> (4 - 1.6) / 1.6 = 1.5
+    torch.testing.assert_close(max_violation(load, 2, 4), torch.tensor(1.5))
+    loads = torch.stack([load, torch.full((5,), 1.6)])
+    torch.testing.assert_close(max_violation(loads, 2, 4), torch.tensor([1.5, 0.0]))
