@@ -252,3 +252,45 @@ def test_moe_quantile_balancer_balances_a_skewed_router(seed):
         update_balancers(moe)
     print(vio)
     assert vio[0] > 0.5 and min(vio[-3:]) < 0.08, vio
+
+
+def _pooled_worker(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # same weights on every rank
+    moe = MoE(16, 8, 2, 16).train()
+    free = MoE(16, 8, 2, 16, balancer="aux_free", bias_update_rate=0.01).train()
+    torch.manual_seed(100 + rank)
+    xs = [torch.randn(1, 5 + 3 * rank, 16) for _ in range(2)]  # ranks see different token counts
+    loads = []
+    for x in xs:
+        moe(x)
+        free(x)
+        loads.append(free.last_load)
+    moe.update_balancer()
+    free.update_balancer()
+    torch.save({"bias": moe.expert_bias, "free": free.expert_bias, "xs": xs, "loads": loads}, f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_update_pools_all_ranks(tmp_path):
+    """Two gloo ranks with different batches end with the same bias: the quantile of the pooled scores."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_pooled_worker, args=(2, port, str(tmp_path / "out")), nprocs=2)
+    outs = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    torch.manual_seed(0)
+    moe = MoE(16, 8, 2, 16)
+    with torch.no_grad():
+        scores = torch.cat([moe.router_scores(x.reshape(-1, 16)) for o in outs for x in o["xs"]])
+    want = quantile_bias(scores, torch.zeros(8), 2)
+    total = sum(sum(o["loads"]) for o in outs)
+    for o in outs:
+        torch.testing.assert_close(o["bias"], want)
+        torch.testing.assert_close(o["free"], sign_bias_update(torch.zeros(8), total, 0.01))
