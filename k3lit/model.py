@@ -8,11 +8,13 @@ Reads top-down: ``ModelConfig`` → ``K3LM`` (embedding, sublayers joined by the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from k3lit.nn.attention import SoftmaxAttention
 from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream
@@ -23,6 +25,17 @@ from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
 
 LAYER_TYPES = {"K": "KDA", "A": "softmax attention"}
 RESIDUALS = ("plain", "block_attnres", "full_attnres")
+CHECKPOINTING = ("none", "layer", "block", "selective")
+# Ops whose outputs the selective policy keeps: the matrix products; everything elementwise is recomputed.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+}
 BALANCERS = ("quantile", "aux_free", "aux_loss", "none")
 
 
@@ -48,6 +61,11 @@ class ModelConfig:
         aux_loss_coef: α of the ``aux_loss`` balancer.
         residual: ``plain`` (x + f(x)), ``block_attnres`` or ``full_attnres``.
         attnres_block_size: sublayers per block for ``block_attnres`` (2 sublayers = 1 transformer layer).
+        activation_checkpointing: ``none``; ``layer`` (recompute each sublayer); ``block`` (keep only the
+            residual state at block boundaries, i.e. the AttnRes block summaries, and recompute every sublayer
+            of a block of ``attnres_block_size`` sublayers; for Full AttnRes and the plain residual the same
+            grouping of sublayers is used); ``selective`` (per sublayer, keep matrix-product outputs and
+            recompute the elementwise work).
         tie_embeddings: share the embedding and LM-head weights.
         norm_eps: RMSNorm epsilon.
         init_std: standard deviation of the normal weight init.
@@ -72,6 +90,7 @@ class ModelConfig:
     aux_loss_coef: float = 1e-2
     residual: str = "block_attnres"
     attnres_block_size: int = 4
+    activation_checkpointing: str = "none"
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -112,6 +131,8 @@ class ModelConfig:
             raise bad("residual", f"choose one of {RESIDUALS}")
         if self.attnres_block_size < 1:
             raise bad("attnres_block_size", "must count at least 1 sublayer")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
 
     def mixer_type(self, layer: int) -> str:
         """``K`` or ``A`` for layer ``layer`` (the pattern repeats)."""
@@ -203,25 +224,55 @@ class K3LM(nn.Module):
     def forward(
         self, idx: torch.Tensor, states: list[Any] | None = None, return_state: bool = False
     ) -> tuple[torch.Tensor, list[Any] | None]:
-        want_state = return_state or states is not None
-        states = states if states is not None else [None] * len(self.sublayers)
-        new_states: list[Any] = []
         x = self.embed(idx)  # [B, T, D]
+        if return_state or states is not None:  # prefill / decoding: no recomputation, states threaded through
+            h, new_states = self._forward_with_states(x, states or [None] * len(self.sublayers))
+        else:
+            h, new_states = self._forward_train(x), None
+        return self.lm_head(self.norm(h)), new_states  # [B, T, vocab]
+
+    def _forward_with_states(self, x: torch.Tensor, states: list[Any]) -> tuple[torch.Tensor, list[Any]]:
+        new_states = []
         if self.config.residual == "plain":
             h = x
             for sub, st in zip(self.sublayers, states):
-                out, st = sub(h, st, want_state)
+                out, st = sub(h, st, True)
                 h = h + out
                 new_states.append(st)
-        else:
-            stream = BlockResidualStream(x, self.block_size, self.config.norm_eps)
-            for sub, st in zip(self.sublayers, states):
-                out, st = sub(sub.res_mixer(*stream.sources()), st, want_state)
-                stream.add(out)
-                new_states.append(st)
-            h = self.final_res_mixer(*stream.sources())
-        logits = self.lm_head(self.norm(h))  # [B, T, vocab]
-        return logits, (new_states if want_state else None)
+            return h, new_states
+        stream = BlockResidualStream([x], self.block_size, self.config.norm_eps)
+        for sub, st in zip(self.sublayers, states):
+            out, st = sub(sub.res_mixer(*stream.sources()), st, True)
+            stream.add(out)
+            new_states.append(st)
+        return self.final_res_mixer(*stream.sources()), new_states
+
+    def _forward_train(self, x: torch.Tensor) -> torch.Tensor:
+        """Training forward in segments of ``attnres_block_size`` sublayers (one residual block for
+        block_attnres). The segmentation is the same under every checkpoint policy, so the autograd graph,
+        and with it every floating-point sum, is too: only what is saved for backward differs."""
+        policy = self.config.activation_checkpointing
+        per_sublayer = _checkpointed if policy in ("layer", "selective") else None
+        step = self.config.attnres_block_size
+        segments = [list(self.sublayers)[i : i + step] for i in range(0, len(self.sublayers), step)]
+        run = _checkpointed if policy == "block" else _call
+        if self.config.residual == "plain":
+            h = x
+            for seg in segments:
+                h = run(policy, partial(_plain_segment, seg, policy, per_sublayer), h)
+            return h
+        # Only the residual state crosses a segment boundary: the block summaries and the partial sum; for
+        # block_attnres a segment is exactly one block, so that is the summaries alone.
+        eps, size = self.config.norm_eps, self.block_size
+        blocks, part, n_in = [x], None, 0
+        for seg in segments:
+            fn = partial(_attnres_segment, seg, size, eps, n_in, part is not None, policy, per_sublayer)
+            out = run(policy, fn, *blocks, *([part] if part is not None else []))
+            closed = (n_in + len(seg)) // size
+            blocks += list(out[:closed])
+            part = out[closed] if len(out) > closed else None
+            n_in = (n_in + len(seg)) % size
+        return self.final_res_mixer(*BlockResidualStream(blocks, size, eps, part, n_in).sources())
 
     @torch.no_grad()
     def generate(
@@ -254,6 +305,59 @@ class K3LM(nn.Module):
             out.append(nxt)
             logits, states = self(nxt, states)
         return torch.cat(out, dim=1)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _call(policy: str, fn: Any, *args: torch.Tensor) -> Any:
+    return fn(*args)
+
+
+def _checkpointed(policy: str, fn: Any, *args: torch.Tensor) -> Any:
+    """``fn(*args)`` with activation checkpointing: recompute everything in backward, or (``selective``)
+    keep the matrix-product outputs and recompute the rest. Off when no gradient is being recorded."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    if policy == "selective":
+        ctx = partial(create_selective_checkpoint_contexts, _selective_policy)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=ctx)
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _plain_segment(subs: list[Sublayer], policy: str, per_sublayer: Any, h: torch.Tensor) -> torch.Tensor:
+    for sub in subs:
+        out = per_sublayer(policy, lambda t, sub=sub: sub(t)[0], h) if per_sublayer else sub(h)[0]
+        h = h + out
+    return h
+
+
+def _read_and_apply(sub: Sublayer, n: int, *srcs_and_inv: torch.Tensor) -> torch.Tensor:
+    return sub(sub.res_mixer(list(srcs_and_inv[:n]), list(srcs_and_inv[n:])))[0]
+
+
+def _attnres_segment(
+    subs: list[Sublayer],
+    block_size: int,
+    eps: float,
+    n_in_block: int,
+    has_partial: bool,
+    policy: str,
+    per_sublayer: Any,
+    *state: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Run consecutive sublayers from a residual state ``(*blocks, partial?)``; return the blocks they closed
+    and the new partial sum (if the last block is still open)."""
+    blocks = list(state[:-1] if has_partial else state)
+    stream = BlockResidualStream(blocks, block_size, eps, state[-1] if has_partial else None, n_in_block)
+    for sub in subs:
+        srcs, inv = stream.sources()
+        if per_sublayer:
+            stream.add(per_sublayer(policy, partial(_read_and_apply, sub, len(srcs)), *srcs, *inv))
+        else:
+            stream.add(_read_and_apply(sub, len(srcs), *srcs, *inv))
+    return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())
 
 
 def sample_next(

@@ -30,12 +30,19 @@ class BlockResidualStream:
     (every earlier sublayer output is its own source).
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float) -> None:
+    def __init__(
+        self,
+        blocks: list[torch.Tensor],
+        block_size: int,
+        eps: float,
+        partial: torch.Tensor | None = None,
+        n_in_block: int = 0,
+    ) -> None:
         self.block_size, self.eps = block_size, eps
-        self.blocks = [embedding]
-        self.blocks_inv_rms = [inv_rms(embedding, eps)]
-        self.partial: torch.Tensor | None = None
-        self.n_in_block = 0
+        self.blocks = list(blocks)  # [b_0 = embedding, b_1, ...], each [B, T, D]
+        self.blocks_inv_rms = [inv_rms(b, eps) for b in self.blocks]
+        self.partial = partial
+        self.n_in_block = n_in_block
 
     def sources(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Current sources and their ``1 / rms``: the block summaries, then the partial sum if any."""

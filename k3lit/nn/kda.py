@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3lit.ops.kda import bounded_log_decay, check_gate_bound, kda, kda_reference, largest_safe_chunk
 from k3lit.nn.short_conv import ShortConvolution
+from k3lit.ops.kda import bounded_log_decay, check_gate_bound, kda, kda_reference, largest_safe_chunk
 
 
 @dataclass
@@ -85,7 +85,7 @@ class KimiDeltaAttention(nn.Module):
         q = F.normalize(q.view(B, T, H, K), dim=-1)  # [B, T, H, K]
         k = F.normalize(k.view(B, T, H, K), dim=-1)
         v = v.view(B, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         g = bounded_log_decay(self.f_up(self.f_down(x)) + self.gate_bias, self.g_min).view(B, T, H, K)
         h0 = None if state is None else state.recurrent
         if T == 1 and state is not None and not x.is_cuda:

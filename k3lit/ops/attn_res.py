@@ -12,8 +12,8 @@ import torch
 
 
 def inv_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``1 / sqrt(mean(v^2) + eps)`` over the last dim: ``[..., D] -> [...]`` in float32."""
-    return torch.rsqrt(v.float().pow(2).mean(-1) + eps)
+    """``1 / sqrt(mean(v^2) + eps)`` over the last dim: ``[..., D] -> [...]`` in float32 (float64 for float64)."""
+    return torch.rsqrt(v.to(torch.promote_types(v.dtype, torch.float32)).pow(2).mean(-1) + eps)
 
 
 def attn_res_mix(
@@ -23,20 +23,22 @@ def attn_res_mix(
 
     Args:
         sources: N tensors ``[B, T, D]`` (any float dtype).
-        source_inv_rms: N float32 tensors ``[B, T]`` from :func:`inv_rms` of each source.
+        source_inv_rms: N tensors ``[B, T]`` from :func:`inv_rms` of each source.
         query: ``[D]`` pseudo-query already multiplied by the RMSNorm weight (``w ⊙ γ``).
 
     Returns:
-        ``[B, T, D]`` in the sources' dtype; softmax and logits in float32.
+        ``[B, T, D]`` in the sources' dtype; logits, softmax and the weighted sum in float32 (float64 for
+        float64 sources).
     """
     if len(sources) != len(source_inv_rms) or not sources:
         raise ValueError(f"need one inv_rms per source and at least one source, got {len(sources)}, "
                          f"{len(source_inv_rms)}")
-    logits = torch.stack([(v @ query.to(v.dtype)).float() * r for v, r in zip(sources, source_inv_rms)])
+    acc = torch.promote_types(sources[0].dtype, torch.float32)
+    logits = torch.stack([(v @ query.to(v.dtype)).to(acc) * r for v, r in zip(sources, source_inv_rms)])
     a = torch.softmax(logits, dim=0)  # [N, B, T]
-    out = a[0, ..., None] * sources[0].float()
+    out = a[0, ..., None] * sources[0].to(acc)
     for i in range(1, len(sources)):
-        out = out + a[i, ..., None] * sources[i].float()
+        out = out + a[i, ..., None] * sources[i].to(acc)
     return out.to(sources[0].dtype)
 
 

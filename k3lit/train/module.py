@@ -8,9 +8,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from typing_extensions import override
-
 from torchmetrics import MeanMetric
+from typing_extensions import override
 
 from k3lit.model import K3LM, ModelConfig
 from k3lit.train.metrics import ExpertLoad

@@ -45,7 +45,9 @@ class OptimConfig:
         progress = min((step - self.warmup_steps) / span, 1.0)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def build(self, model: nn.Module, total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    def build(
+        self, model: nn.Module, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         """AdamW over ``model`` (decay only on parameters with >= 2 dims) and its step-wise schedule."""
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]

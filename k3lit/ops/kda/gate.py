@@ -14,11 +14,14 @@ def bounded_log_decay(e: torch.Tensor, g_min: float = -5.0) -> torch.Tensor:
         g_min: the fixed lower bound, negative (default -5).
 
     Returns:
-        float32 tensor of e's shape: the per-channel log-decay the KDA op consumes.
+        tensor of e's shape in float32 (float64 for float64 e): the per-channel log-decay the KDA op consumes.
+
+    Raises:
+        ValueError: g_min is not negative.
     """
     if not g_min < 0:
         raise ValueError(f"g_min must be negative, got {g_min}")
-    return g_min * torch.sigmoid(e.float())
+    return g_min * torch.sigmoid(e.to(torch.promote_types(e.dtype, torch.float32)))
 
 
 def softplus_log_decay(e: torch.Tensor, A_log: torch.Tensor) -> torch.Tensor:
