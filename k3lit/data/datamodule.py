@@ -1,0 +1,176 @@
+"""``K3DataModule``: token blocks from a prepared corpus, streamed by litdata.
+
+Resuming: Lightning's fit loop stores ``state_dict()`` of every train dataloader that has ``state_dict`` and
+``load_state_dict`` (``StreamingDataLoader`` has both) in the checkpoint under
+``loops.fit_loop.state_dict.combined_loader`` and hands it back to the new loader on ``ckpt_path=...``; the
+loader then skips the samples already yielded and continues with the next batch of the same shuffled order.
+Lightning fetches no batch ahead for loaders with a length (this one has one), so the saved position is exactly
+the batches consumed. ``tests/data/test_datamodule.py`` pins this with a real ``Trainer`` run.
+
+Distributed: litdata reads the rank and world size from ``torch.distributed`` when a ``StreamingDataset`` is
+built. The datasets are therefore built in ``train_dataloader``/``val_dataloader`` (after Lightning has set up
+the process group), never in ``__init__``, so each rank streams its own share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning as L
+import numpy as np
+import torch
+from litdata import StreamingDataLoader, StreamingDataset
+from litdata.streaming.item_loader import TokensLoader
+
+from k3lit.data.corpus import Split
+from k3lit.data.prepare import PreparedCorpus, prepare_corpus
+from k3lit.data.tokenizer import Tokenizer, parse_tokenizer_spec, spec_vocab_size
+
+
+def collate_tokens(items: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
+    """Stack token blocks (``uint16``/``int32`` arrays of length ``seq_len + 1``) into a ``LongTensor [B, seq_len + 1]``."""
+    return torch.from_numpy(np.stack([np.asarray(x) for x in items]).astype(np.int64))
+
+
+class K3DataModule(L.LightningDataModule):
+    """Token blocks of ``seq_len + 1`` from a corpus prepared by :func:`k3lit.data.prepare.prepare_corpus`.
+
+    Batches are ``LongTensor [batch_size, seq_len + 1]``; a model trains on ``x[:, :-1] -> x[:, 1:]``. Blocks
+    are consecutive, non-overlapping slices of the split's token stream, where documents are joined by the
+    tokenizer's eos token; the tail of each chunk shorter than one block is dropped.
+
+    Args:
+        corpus: ``"stdlib"`` (the running Python's standard library sources), or paths to text files
+            (.txt/.md/.py/any text: one document each), ``.jsonl`` files (field ``"text"``), ``.parquet`` files
+            (column ``"text"``), folders of those, or a list of any of these.
+        tokenizer: ``"byte"`` (UTF-8 bytes + eos, vocabulary 257), ``"bpe:<vocab_size>"`` (byte-level BPE
+            trained on the train split when preparing) or a path to a Hugging Face ``tokenizers`` JSON file.
+        cache_dir: folder for prepared token chunks; entries are keyed by corpus, tokenizer and split, so
+            one folder serves many corpora.
+        seq_len: tokens the model sees per sequence (>= 1); blocks hold ``seq_len + 1`` tokens.
+        batch_size: sequences per batch on each device (>= 1).
+        num_workers: dataloader worker processes (0 = load in the training process).
+        val_fraction: fraction of documents held out for validation, in (0, 1); the split hashes each
+            document's relative path, so it is the same on every machine and run.
+        seed: seed of the training order (shuffled chunks and blocks, new order each epoch).
+        prepare_workers: litdata processes used when tokenizing (the chunk layout, hence the training order,
+            depends on it; 1 keeps runs reproducible).
+
+    Raises:
+        ValueError: an argument out of range or an unknown tokenizer spec; the message says what to change.
+        FileNotFoundError: a tokenizer JSON path that does not exist (corpus paths are checked when preparing).
+    """
+
+    def __init__(
+        self,
+        corpus: str | list[str] = "stdlib",
+        tokenizer: str = "byte",
+        cache_dir: str = ".cache/k3lit/data",
+        seq_len: int = 256,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        val_fraction: float = 0.05,
+        seed: int = 42,
+        prepare_workers: int = 1,
+    ) -> None:
+        super().__init__()
+        if isinstance(corpus, str) and not corpus.strip() or not isinstance(corpus, str) and not corpus:
+            raise ValueError("`corpus` is empty: use 'stdlib' or a path (or list of paths) to text/jsonl/parquet data.")
+        for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("prepare_workers",
+                                 prepare_workers, 1), ("num_workers", num_workers, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(
+                f"val_fraction={val_fraction} must be in (0, 1), e.g. 0.05 to hold out 5% of the documents."
+            )
+        parse_tokenizer_spec(tokenizer)  # raises ValueError naming the accepted forms
+        self.save_hyperparameters()
+        self.corpus = corpus
+        self.tokenizer_spec = tokenizer
+        self.cache_dir = cache_dir
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.prepare_workers = prepare_workers
+        self._vocab_size = spec_vocab_size(tokenizer)  # reads a JSON file, prepares nothing
+        self._prepared: PreparedCorpus | None = None
+
+    # -- what the model needs before any data exists --------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Embedding size the model needs: 257 for ``byte``, N for ``bpe:N``, max id + 1 for a JSON file."""
+        return self._vocab_size
+
+    # -- things that need the prepared corpus --------------------------------------------------------------
+    @property
+    def prepared(self) -> PreparedCorpus:
+        """The prepared corpus; prepares it on first use if ``prepare_data`` has not run in this process."""
+        if self._prepared is None:
+            self._prepared = prepare_corpus(
+                corpus=self.corpus,
+                tokenizer=self.tokenizer_spec,
+                cache_dir=self.cache_dir,
+                val_fraction=self.val_fraction,
+                prepare_workers=self.prepare_workers,
+            )
+        return self._prepared
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer of the prepared tokens (for ``bpe:N`` it is the one trained during prepare)."""
+        return self.prepared.tokenizer
+
+    @property
+    def val_bytes_per_token(self) -> float:
+        """UTF-8 bytes per token of the validation split: bits per byte = loss_nats / ln 2 / this."""
+        return self.prepared.bytes_per_token("val")
+
+    def prepare_data(self) -> None:
+        """Tokenize the corpus into the cache unless a finished entry exists (Lightning: local rank 0 only)."""
+        self._prepared = None
+        _ = self.prepared
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check the prepared splits hold at least one ``seq_len + 1`` block each (every rank)."""
+        prepared = self.prepared
+        for split in ("train", "val"):
+            n = prepared.meta["splits"][split]["n_tokens"]
+            if n < self.seq_len + 1:
+                raise ValueError(
+                    f"The {split} split has {n} tokens, fewer than one block of seq_len + 1 = {self.seq_len + 1}. "
+                    f"Lower seq_len, {'raise val_fraction' if split == 'val' else 'lower val_fraction'}, or add "
+                    "text to the corpus."
+                )
+
+    # -- loaders ------------------------------------------------------------------------------------------
+    def _dataset(self, split: Split, shuffle: bool) -> StreamingDataset:
+        return StreamingDataset(
+            input_dir=str(self.prepared.split_dir(split)),
+            item_loader=TokensLoader(block_size=self.seq_len + 1),
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=True if shuffle else None,
+        )
+
+    def _loader(self, split: Split, shuffle: bool) -> StreamingDataLoader:
+        return StreamingDataLoader(
+            self._dataset(split, shuffle),
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            collate_fn=collate_tokens,
+            drop_last=shuffle,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> StreamingDataLoader:
+        """Shuffled (seeded) full batches ``LongTensor [batch_size, seq_len + 1]``; stateful for resuming."""
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> StreamingDataLoader:
+        """Validation blocks in file order, ``LongTensor [<= batch_size, seq_len + 1]`` (last batch may be short)."""
+        return self._loader("val", shuffle=False)
+
