@@ -111,7 +111,8 @@ def correctness(fla_fn) -> tuple[bool, list[str]]:
         xs = inputs(B, T, H, K, V, h0=True)
         if c is not None:
             xs[5] = xs[5].new_zeros(4, H, K, V).normal_()
-        impls = [("k3lit", ours)] + ([("fla", fla_fn)] if fla_fn is not None else [])
+        # fla autotunes for minutes at a new head size: compare it at D = 128 only.
+        impls = [("k3lit", ours)] + ([("fla", fla_fn)] if fla_fn is not None and K == 128 else [])
         for impl, fn in impls:
             try:
                 e = errors(fn, xs, c)
