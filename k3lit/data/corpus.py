@@ -195,7 +195,8 @@ def iter_documents(file: CorpusFile) -> Iterator[tuple[str, str]]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{file.path}:{n}: not valid JSON ({err}). Each line must be one object.") from None
+                    msg = f"{file.path}:{n}: not valid JSON ({err}). Write one JSON object per line."
+                    raise ValueError(msg) from None
                 text = record.get("text") if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     raise ValueError(

@@ -28,7 +28,7 @@ from k3lit.data.tokenizer import Tokenizer, parse_tokenizer_spec, spec_vocab_siz
 
 
 def collate_tokens(items: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
-    """Stack token blocks (``uint16``/``int32`` arrays of length ``seq_len + 1``) into a ``LongTensor [B, seq_len + 1]``."""
+    """Stack ``B`` token blocks (``uint16``/``int32`` arrays ``[seq_len + 1]``) into ``LongTensor [B, seq_len + 1]``."""
     return torch.from_numpy(np.stack([np.asarray(x) for x in items]).astype(np.int64))
 
 
@@ -76,8 +76,12 @@ class K3DataModule(L.LightningDataModule):
         super().__init__()
         if isinstance(corpus, str) and not corpus.strip() or not isinstance(corpus, str) and not corpus:
             raise ValueError("`corpus` is empty: use 'stdlib' or a path (or list of paths) to text/jsonl/parquet data.")
-        for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("prepare_workers",
-                                 prepare_workers, 1), ("num_workers", num_workers, 0)):
+        for name, value, low in (
+            ("seq_len", seq_len, 1),
+            ("batch_size", batch_size, 1),
+            ("prepare_workers", prepare_workers, 1),
+            ("num_workers", num_workers, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
         if not 0.0 < val_fraction < 1.0:
@@ -173,4 +177,3 @@ class K3DataModule(L.LightningDataModule):
     def val_dataloader(self) -> StreamingDataLoader:
         """Validation blocks in file order, ``LongTensor [<= batch_size, seq_len + 1]`` (last batch may be short)."""
         return self._loader("val", shuffle=False)
-

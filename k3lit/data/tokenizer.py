@@ -274,4 +274,3 @@ def load_tokenizer(
             "both `bpe_path` and `train_texts`."
         )
     return train_bpe(train_texts, int(arg), bpe_path)  # type: ignore[arg-type]
-

@@ -55,7 +55,12 @@ def test_load_tokenizer_specs(tmp_path):
 
 @pytest.mark.parametrize(
     ("spec", "match"),
-    [("wordpiece", "Unknown tokenizer spec"), ("bpe:abc", "must be an integer"), ("bpe:100", ">= 257"), ("", "non-empty")],
+    [
+        ("wordpiece", "Unknown tokenizer spec"),
+        ("bpe:abc", "must be an integer"),
+        ("bpe:100", ">= 257"),
+        ("", "non-empty"),
+    ],
 )
 def test_bad_specs(spec, match):
     with pytest.raises(ValueError, match=match):
