@@ -132,6 +132,22 @@ class K3DataModule(L.LightningDataModule):
         """UTF-8 bytes per token of the validation split: bits per byte = loss_nats / ln 2 / this."""
         return self.prepared.bytes_per_token("val")
 
+    def describe(self) -> str:
+        """Human-readable summary of the prepared corpus: cache folder, tokenizer, tokens and bytes per split."""
+        p = self.prepared
+        lines = [
+            f"cache: {p.root}",
+            f"tokenizer: {p.meta['tokenizer']} (vocab {p.meta['vocab_size']}, eos {p.meta['eos_id']})",
+        ]
+        for split in ("train", "val"):
+            s = p.meta["splits"][split]
+            lines.append(
+                f"{split}: {s['n_documents']:,} documents, {s['n_tokens']:,} tokens, {s['n_bytes']:,} bytes "
+                f"({p.bytes_per_token(split):.3f} bytes/token), {s['n_tokens'] // (self.seq_len + 1):,} blocks of "
+                f"{self.seq_len + 1}"
+            )
+        return "\n".join(lines)
+
     def prepare_data(self) -> None:
         """Tokenize the corpus into the cache unless a finished entry exists (Lightning: local rank 0 only)."""
         self._prepared = None

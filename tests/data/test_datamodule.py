@@ -162,3 +162,8 @@ def test_stdlib_datamodule(stdlib_prepared, tmp_path):
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch.shape == (8, 65) and batch.dtype == torch.long
+
+
+def test_describe(tmp_path, text_corpus):
+    text = _dm(text_corpus, tmp_path / "c").describe()
+    assert "tokenizer: byte (vocab 257, eos 256)" in text and "train:" in text and "val:" in text
