@@ -14,6 +14,7 @@ all under ``trainer.default_root_dir``; the resolved config is saved beside them
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -104,6 +105,11 @@ def prepare_main(argv: list[str]) -> None:
     print(dm.describe())
 
 
+def _init_args(hparams: dict) -> dict:
+    """Constructor arguments saved in a checkpoint, without Lightning's private entries."""
+    return {k: v for k, v in hparams.items() if not k.startswith("_")}
+
+
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
     import torch
@@ -120,10 +126,10 @@ def generate_main(argv: list[str]) -> None:
     if not Path(args.ckpt).is_file():
         raise FileNotFoundError(f"checkpoint {args.ckpt} not found: pass --ckpt runs/<recipe>/checkpoints/last.ckpt")
     ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)
-    module = K3LitModule(**ckpt["hyper_parameters"])
+    module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])
     model = module.model.to(args.device).eval()
-    dm = K3DataModule(**ckpt["datamodule_hyper_parameters"])
+    dm = K3DataModule(**_init_args(ckpt["datamodule_hyper_parameters"]))
     tok = dm.tokenizer
     ids = tok.encode(args.prompt)
     if not ids:
@@ -136,12 +142,18 @@ def generate_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``k3lit`` console script."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "prepare":
-        return prepare_main(argv[1:])
-    if argv and argv[0] == "generate":
-        return generate_main(argv[1:])
-    K3CLI(args=argv)
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args and args[0] == "prepare":
+            return prepare_main(args[1:])
+        if args and args[0] == "generate":
+            return generate_main(args[1:])
+        K3CLI(args=argv)
+    except (ValueError, FileNotFoundError) as e:  # configuration errors: say what to change, no traceback
+        if os.environ.get("K3LIT_DEBUG"):
+            raise
+        print(f"k3lit: error: {e}\n(set K3LIT_DEBUG=1 for the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
 
+# Checkpoints store the two configs as hyper-parameters; allow them under torch.load(weights_only=True).
+torch.serialization.add_safe_globals([ModelConfig, OptimConfig])
+
+
 class K3LitModule(L.LightningModule):
     """Trains a :class:`K3LM` on ``[B, T + 1]`` int64 token batches (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
@@ -40,6 +44,15 @@ class K3LitModule(L.LightningModule):
         if n_moe:
             self.train_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
             self.val_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
+
+    @override
+    def configure_model(self) -> None:
+        """Under a model-parallel strategy (a device mesh exists), shard the model with FSDP2."""
+        if self.device_mesh is not None and not getattr(self, "_parallelized", False):
+            from k3lit.parallel import parallelize
+
+            parallelize(self.model, self.device_mesh)
+            self._parallelized = True
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

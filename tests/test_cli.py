@@ -1,0 +1,139 @@
+"""End to end through the `k3lit` command: recipes parse, fit on the built-in corpus, resume, generate, errors."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from k3lit.cli import K3CLI, main
+
+RECIPES = sorted(Path(__file__).parents[1].joinpath("recipes").glob("*.yaml"))
+SMALL = [
+    "--model.dim=64", "--model.n_layers=3", "--model.layer_pattern=KKA", "--model.n_heads=2", "--model.head_dim=32",
+    "--model.mlp_hidden=128", "--model.n_experts=4", "--model.top_k=2", "--model.expert_dim=64",
+    "--model.attnres_block_size=2", "--data.tokenizer=byte", "--data.seq_len=64", "--data.batch_size=4",
+    "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+    "--optim.warmup_steps=2", "--optim.lr=3e-3",
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    """One prepared copy of the built-in corpus (byte tokenizer) shared by the tests of this module."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def fit_args(root: Path, cache: str, steps: int, *extra: str) -> list[str]:
+    return ["fit", "--config", "recipes/tiny.yaml", *SMALL, f"--data.cache_dir={cache}",
+            f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}",
+            f"--trainer.val_check_interval={steps}", *extra]
+
+
+def read_metric(root: Path, name: str) -> dict[int, float]:
+    with open(root / "metrics.csv") as f:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_parses_against_the_cli_schema(recipe):
+    out = subprocess.run([sys.executable, "-m", "k3lit.cli", "fit", "--config", str(recipe), "--print_config"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "model:" in out.stdout and "layer_pattern" in out.stdout
+
+
+def test_fit_on_builtin_corpus_loss_falls_and_writes_outputs(tmp_path, cache, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 40))
+    loss = read_metric(tmp_path, "train/loss")
+    first, last = sum(loss[s] for s in range(5)) / 5, sum(loss[s] for s in range(35, 40)) / 5
+    assert last < first - 1.0, (first, last)
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert read_metric(tmp_path, "val/bpb") and read_metric(tmp_path, "val/max_vio/layer0")
+    vio = read_metric(tmp_path, "train/max_vio/layer1")
+    assert len(vio) == 40
+
+
+class CrashAt(Callback):
+    """Simulates a killed job: raises when training reaches ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt  # what Ctrl-C does; Lightning tears down and exits
+
+
+def test_resume_continues_same_stream_optimizer_and_balancer(tmp_path, cache, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    ckpt = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=6",
+            "--trainer.callbacks.save_last=true", "--trainer.callbacks.save_top_k=0"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    main(fit_args(whole, cache, 12, *ckpt, f"--trainer.callbacks.dirpath={whole / 'checkpoints'}"))
+    interrupted = fit_args(parts, cache, 12, *ckpt, f"--trainer.callbacks.dirpath={parts / 'checkpoints'}")
+    cli = K3CLI(args=interrupted[1:], run=False)
+    cli.trainer.callbacks.append(CrashAt(8))
+    with pytest.raises(SystemExit):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 8
+    first_loss = read_metric(parts, "train/loss")
+    main(interrupted + ["--ckpt_path", "last"])  # resumes from step 6
+    a = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=False)
+    b = torch.load(parts / "checkpoints" / "last.ckpt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == 12
+    for name, tensor in a["state_dict"].items():
+        assert torch.equal(tensor, b["state_dict"][name]), name  # weights and the quantile bias buffers
+    assert any("expert_bias" in n and tensor.abs().sum() > 0 for n, tensor in a["state_dict"].items())
+    opt_a, opt_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert all(torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"]) for i in opt_a)
+    assert a["lr_schedulers"][0]["last_epoch"] == b["lr_schedulers"][0]["last_epoch"] == 12
+    whole_loss, resumed_loss = read_metric(whole, "train/loss"), read_metric(parts, "train/loss")
+    assert [first_loss[s] for s in range(6)] == [whole_loss[s] for s in range(6)]
+    assert [resumed_loss[s] for s in range(6, 12)] == [whole_loss[s] for s in range(6, 12)]
+
+
+def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 3))
+    capsys.readouterr()
+    main(["generate", "--ckpt", str(tmp_path / "checkpoints" / "last.ckpt"), "--prompt", "def ",
+          "--max_new_tokens", "20", "--temperature", "0"])
+    text = capsys.readouterr().out
+    assert text.startswith("def ") and len(text) > 4
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--model.layer_pattern=KX", "ModelConfig.layer_pattern"),
+        ("--model.top_k=9", "ModelConfig.top_k"),
+        ("--data.corpus=/no/such/corpus", "does not exist"),
+        ("--data.val_fraction=1.5", "val_fraction"),
+    ],
+)
+def test_bad_input_gives_clear_error(tmp_path, cache, override, message, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    with pytest.raises(SystemExit) as e:
+        main(fit_args(tmp_path, cache, 2, override))
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_empty_corpus_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(fit_args(tmp_path, str(tmp_path / "c"), 2, f"--data.corpus={tmp_path / 'empty'}"))
+    assert "empty" in capsys.readouterr().err.lower()
+
+
+def test_missing_checkpoint_for_generate(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--ckpt", str(tmp_path / "nope.ckpt")])
+    assert "not found" in capsys.readouterr().err
