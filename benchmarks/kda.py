@@ -149,7 +149,6 @@ def time_kda(fn, B, T, H, D):
         o.backward(do)
 
     fwdbwd = bench(fb)
-    del xs
     return fwd, fwdbwd
 
 

@@ -68,11 +68,12 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 
 @triton.jit
 def _intra_fwd(
-    k, v, q, g, beta, Gc, Aq, Mi, W, U, cu, cidx, scale,
+    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U."""
+    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U, and the scan's
+    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     R: tl.constexpr = (C - 1) // 2
@@ -92,6 +93,9 @@ def _intra_fwd(
         dn = tl.exp(b_Gr[None, :] - b_G)
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
         b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
+        g_last = _row(b_G, rows, n_valid - 1)
+        tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
+        tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
         b_kdn = _op(b_k * dn, F32)
         A += tl.dot(_op(b_k * up, F32), tl.trans(b_kdn))
         B_qk += tl.dot(_op(b_q * up, F32), tl.trans(b_kdn))
@@ -128,7 +132,7 @@ def _intra_fwd(
 
 @triton.jit
 def _scan_fwd(
-    k, Gc, W, U, D, h, h0, ht, cu, coff,
+    Kd, Gc, W, U, D, h, h0, ht, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
 ):
@@ -163,10 +167,8 @@ def _scan_fwd(
         b_u = tl.load(U + offv, mask=mv, other=0.0).to(tl.float32)
         b_d = b_u - tl.dot(_op(b_w, F32), _op(S, F32))
         tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
-        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        b_kd = b_k * tl.exp(g_last[None, :] - b_G)
         S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32))
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + off_s, S, mask=m_kv)
@@ -174,7 +176,7 @@ def _scan_fwd(
 
 @triton.jit
 def _out_fwd(
-    q, Gc, Aq, D, h, o, cu, cidx, scale,
+    Qg, Aq, D, h, o, cu, cidx,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
@@ -192,11 +194,10 @@ def _out_fwd(
         m_k = rk < K
         offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         mk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
         b_h = tl.load(h + (i_c * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
-        acc += tl.dot(_op(b_q * tl.exp(b_G) * scale, F32), _op(b_h, F32))
+        acc += tl.dot(_op(b_qg, F32), _op(b_h, F32))
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     b_a = tl.load(Aq + offc, mask=m_t[:, None], other=0.0)
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
@@ -213,7 +214,7 @@ def _out_fwd(
 
 @triton.jit
 def _scan_bwd(
-    q, k, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, scale,
+    Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
 ):
@@ -251,15 +252,12 @@ def _scan_bwd(
         mv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + offv, mask=mv, other=0.0)
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
-        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        b_kd = b_k * tl.exp(g_last[None, :] - b_G)
         b_dd = tl.dot(tl.trans(_op(b_a, F32)), _op(b_do, F32)) + tl.dot(_op(b_kd, F32), _op(dS, F32))
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
-        b_qg = b_q * tl.exp(b_G) * scale
+        b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
         dS = dS * tl.exp(g_last)[:, None] + tl.dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32))
         dS -= tl.dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32))
     if STORE_DH0:
@@ -268,16 +266,17 @@ def _scan_bwd(
 
 @triton.jit
 def _main_bwd(
-    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
+    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale, plane,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
     """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
 
-    Value side (looped over V blocks): dAq = dO Delta^T, dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T,
-    dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side (whole K at once):
-    dM += dW X^T with X = Diag(beta) K⊙exp(G), dX = M^T dW, dL = -M^T dM M^T, then the dense pair terms of
-    A and Aq (same rebasing as the forward) and dg = reverse cumsum of dG.
+    Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
+    K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T (kept in the float32
+    scratch ``scr [3, T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G), and A. Then
+    dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
+    rebasing as the forward), dG and dg = reverse cumsum of dG (per channel, so per block).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
@@ -285,99 +284,122 @@ def _main_bwd(
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
-    rk = tl.arange(0, BK)
-    m_k = rk < K
     m_lo = rows[:, None] > rows[None, :]
-    m_le = rows[:, None] >= rows[None, :]
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    b_m = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
-    b_mt = tl.trans(b_m)
+    b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
     hbase = (i_c * H + i_h) * K * V
     dAq = tl.zeros([C, C], dtype=tl.float32)
     dM = tl.zeros([C, C], dtype=tl.float32)
-    dQg = tl.zeros([C, BK], dtype=tl.float32)
-    dKd = tl.zeros([C, BK], dtype=tl.float32)
-    dW = tl.zeros([C, BK], dtype=tl.float32)
-    dGs = tl.zeros([BK], dtype=tl.float32)
+    A = tl.zeros([C, C], dtype=tl.float32)
     db = tl.zeros([C], dtype=tl.float32)
     for vb in range(0, V, BV):
         cv = vb + tl.arange(0, BV)
-        m_v = cv < V
         offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        mv = m_t[:, None] & m_v[None, :]
-        offs = hbase + rk[:, None] * V + cv[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(h + offs, mask=m_kv, other=0.0)
-        b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
+        mv = m_t[:, None] & (cv < V)[None, :]
         b_d = tl.load(D + offv, mask=mv, other=0.0)
         b_dd = tl.load(dD + offv, mask=mv, other=0.0)
         b_do = tl.load(do + offv, mask=mv, other=0.0)
         b_v = tl.load(v + offv, mask=mv, other=0.0).to(tl.float32)
         dAq += tl.dot(_op(b_do, F32), tl.trans(_op(b_d, F32)))
-        dQg += tl.dot(_op(b_do, F32), tl.trans(_op(b_h, F32)))
-        dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
-        dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
-        dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         b_dy = tl.dot(b_mt, b_dd.to(tl.float32))  # M^T dDelta, float32 operands (tf32 on GPU)
         tl.store(dv + offv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=mv)
         db += tl.sum(b_dy * b_v, axis=1)
         dM += tl.dot(_op(b_dd, F32), tl.trans(_op(b_v * b_beta[:, None], F32)))
-    offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-    mk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
-    b_G = tl.load(Gc + offk, mask=mk, other=0.0)
-    g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-    e_g = tl.exp(b_G)
-    # W = M X, X = Diag(beta) K⊙exp(G)
-    b_kg = b_k * e_g
-    dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
-    dX = tl.dot(b_mt, dW)
-    db += tl.sum(dX * b_kg, axis=1)
-    dKg = dX * b_beta[:, None]
-    b_dk = dKg * e_g
-    dG = dKg * b_kg
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        m_k = rk < K
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        dQg = tl.zeros([C, BK], dtype=tl.float32)
+        dKd = tl.zeros([C, BK], dtype=tl.float32)
+        dW = tl.zeros([C, BK], dtype=tl.float32)
+        dGs = tl.zeros([BK], dtype=tl.float32)
+        for vb in range(0, V, BV):
+            cv = vb + tl.arange(0, BV)
+            m_v = cv < V
+            offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+            mv = m_t[:, None] & m_v[None, :]
+            offs = hbase + rk[:, None] * V + cv[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            b_h = tl.load(h + offs, mask=m_kv, other=0.0)
+            b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
+            b_d = tl.load(D + offv, mask=mv, other=0.0)
+            b_dd = tl.load(dD + offv, mask=mv, other=0.0)
+            b_do = tl.load(do + offv, mask=mv, other=0.0)
+            dQg += tl.dot(_op(b_do, F32), tl.trans(_op(b_h, F32)))
+            dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
+            dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
+            dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        tl.store(scr + offk, dQg, mask=mk)
+        tl.store(scr + plane + offk, dKd, mask=mk)
+        tl.store(scr + 2 * plane + offk, dW, mask=mk)
+        tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
+        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        b_kg = b_k * tl.exp(b_G)
+        dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
+        db += tl.sum(tl.dot(b_mt, dW) * b_kg, axis=1)
+        b_Gr = _row(b_G, rows, R)
+        A += tl.dot(_op(b_k * tl.exp(b_G - b_Gr[None, :]), F32), tl.trans(_op(b_k * tl.exp(b_Gr[None, :] - b_G), F32)))
+    tl.debug_barrier()  # pass 2 reads the scratch this program wrote
     # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
-    dL = -tl.dot(tl.dot(b_mt, dM), b_mt)
-    dL = tl.where(m_lo, dL, 0.0)
-    b_Gr = _row(b_G, rows, R)
-    up = tl.exp(b_G - b_Gr[None, :])
-    dn = tl.exp(b_Gr[None, :] - b_G)
-    kup = _op(b_k * up, F32)
-    kdn = _op(b_k * dn, F32)
-    qup = _op(b_q * up, F32)
-    A = tl.where(m_lo, tl.dot(kup, tl.trans(kdn)), 0.0)
-    db += tl.sum(dL * A, axis=1)
+    dL = tl.where(m_lo, -tl.dot(tl.dot(b_mt, dM), b_mt), 0.0)
+    db += tl.sum(dL * tl.where(m_lo, A, 0.0), axis=1)
+    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
     dA = _op(dL * b_beta[:, None], F32)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
     # true dg is as small as exp(g_min)).
     d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
     dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
-    # O's state term scale (Q⊙exp(G)) S
-    b_dq = dQg * e_g * scale
-    dG += b_dq * b_q
-    # dense pair terms of A and Aq (strictly lower)
-    dq_p = tl.dot(dAq, kdn) * up
-    dk_r = tl.dot(dA, kdn) * up
-    dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
-    b_dq += dq_p + d_ii[:, None] * b_k
-    b_dk += dk_r + dk_c + d_ii[:, None] * b_q
-    dG += b_q * dq_p + b_k * (dk_r - dk_c)
-    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
-    e_d = tl.exp(g_last[None, :] - b_G)
-    b_kd = b_k * e_d
-    b_dk += dKd * e_d
-    x_kd = tl.where((rows == n_valid - 1)[:, None], 0.0, dKd * b_kd)
-    dG -= x_kd
-    dGl = dGs * tl.exp(g_last) + tl.sum(x_kd, axis=0)
-    dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
-    b_dg = tl.cumsum(dG, axis=0, reverse=True)
-    tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
-    tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
-    tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
-    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        m_k = rk < K
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        dQg = tl.load(scr + offk, mask=mk, other=0.0)
+        dKd = tl.load(scr + plane + offk, mask=mk, other=0.0)
+        dW = tl.load(scr + 2 * plane + offk, mask=mk, other=0.0)
+        dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
+        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        e_g = tl.exp(b_G)
+        # W = M X, X = Diag(beta) K⊙exp(G)
+        b_kg = b_k * e_g
+        dKg = tl.dot(b_mt, dW) * b_beta[:, None]
+        b_dk = dKg * e_g
+        dG = dKg * b_kg
+        # O's state term scale (Q⊙exp(G)) S
+        b_dq = dQg * e_g * scale
+        dG += b_dq * b_q
+        # dense pair terms of A and Aq (strictly lower)
+        b_Gr = _row(b_G, rows, R)
+        up = tl.exp(b_G - b_Gr[None, :])
+        dn = tl.exp(b_Gr[None, :] - b_G)
+        kup = _op(b_k * up, F32)
+        kdn = _op(b_k * dn, F32)
+        qup = _op(b_q * up, F32)
+        dq_p = tl.dot(dAq, kdn) * up
+        dk_r = tl.dot(dA, kdn) * up
+        dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
+        b_dq += dq_p + d_ii[:, None] * b_k
+        b_dk += dk_r + dk_c + d_ii[:, None] * b_q
+        dG += b_q * dq_p + b_k * (dk_r - dk_c)
+        # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
+        e_d = tl.exp(g_last[None, :] - b_G)
+        b_kd = b_k * e_d
+        b_dk += dKd * e_d
+        x_kd = tl.where((rows == n_valid - 1)[:, None], 0.0, dKd * b_kd)
+        dG -= x_kd
+        dGl = dGs * tl.exp(g_last) + tl.sum(x_kd, axis=0)
+        dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
+        b_dg = tl.cumsum(dG, axis=0, reverse=True)
+        tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
+        tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
+        tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -430,17 +452,17 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 
 
 def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers."""
+    """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers. BV = 32
+    gives more programs (the scans are latency-bound when B * H is small)."""
     BK = _pow2(K)
-    BV = min(_pow2(V), 64 if BK <= 128 else 32)
-    return BK, BV, 4 if BK <= 64 else 8
+    return BK, min(_pow2(V), 32), 4 if BK <= 128 else 8
 
 
 def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, h, D)``."""
+    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -451,6 +473,8 @@ def chunk_fwd(
     Aq = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     Mi = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
+    Kd = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
+    Qg = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
     U = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)  # read once by the scan; keeps ht exact-er
     D = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     h = torch.empty(max_chunks(B * T, N, C), H, K, V, device=q.device, dtype=wdt)
@@ -458,24 +482,25 @@ def chunk_fwd(
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht, Gc, Aq, Mi, W, h, D
+        return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
     BKi = min(64, _pow2(K))
-    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
+    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
                         BV=min(64, _pow2(V)), F32=F32, num_warps=4)
     BK, BV, nw = _scan_cfg(K, V)
     _scan_fwd[(triton.cdiv(V, BV), N * H)](
-        k, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, F32=F32, num_warps=nw)
     BVo = min(64, _pow2(V))
-    _out_fwd[(triton.cdiv(V, BVo), NC, H)](q, Gc, Aq, D, h, o, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
+    _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi,
                                           BV=BVo, F32=F32, num_warps=4)
-    return o, ht, Gc, Aq, Mi, W, h, D
+    return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
 
 
 def chunk_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
-    Mi: torch.Tensor, W: torch.Tensor, h: torch.Tensor, D: torch.Tensor, do: torch.Tensor,
-    dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None, C: int,
+    Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor, D: torch.Tensor,
+    do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None,
+    C: int,
 ) -> tuple[torch.Tensor, ...]:
     """Backward launches. Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dg and dh0 are float32."""
     B, T, H, K = q.shape
@@ -495,10 +520,12 @@ def chunk_bwd(
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     BK, BV, nw = _scan_cfg(K, V)
     _scan_bwd[(triton.cdiv(V, BV), N * H)](
-        q, k, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, scale, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
-    BKm = _pow2(K)
-    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
-                       H=H, K=K, V=V, C=C, BK=BKm, BV=min(32, _pow2(V)), F32=F32,
-                       num_warps=4 if BKm <= 64 else 8)
+    plane = B * T * H * K
+    scr = torch.empty(3 * plane, device=q.device, dtype=torch.float32)  # dQg, dKd, dW between the two passes
+    dgs = torch.empty(h.shape[0] * H * K, device=q.device, dtype=torch.float32)
+    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale,
+                       plane, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)), BV=min(64, _pow2(V)), F32=F32,
+                       num_warps=4)
     return dq, dk, dv, dg, dbeta, dh0
