@@ -205,12 +205,14 @@ class K3LM(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for linear and embedding weights, output projections scaled by 1/sqrt(2 L)."""
         std = self.config.init_std
+        out_std = std / (2 * self.config.n_layers) ** 0.5
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear | nn.Embedding):
-                out_proj = name.endswith(("o_proj", "w_down"))
-                nn.init.normal_(m.weight, std=std / (2 * self.config.n_layers) ** 0.5 if out_proj else std)
+                nn.init.normal_(m.weight, std=out_std if name.endswith(("o_proj", "w_down")) else std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+            elif isinstance(m, MoE):  # stacked expert weights are plain parameters, not nn.Linear
+                m.reset_parameters(std=std, down_std=out_std)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules in depth order."""
