@@ -21,6 +21,7 @@ from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.nn.mlp import SwiGLU
 from k3lit.nn.moe import MoE
+from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge, inv_rms
 from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
 
 LAYER_TYPES = {"K": "KDA", "A": "softmax attention"}
@@ -242,9 +243,22 @@ class K3LM(nn.Module):
                 h = h + out
                 new_states.append(st)
             return h, new_states
+        # Two-phase AttnRes: at each block start, one batched read of the completed summaries for all of the
+        # block's sublayers (phase 1); each sublayer then merges in the running partial sum (phase 2).
         stream = BlockResidualStream([x], self.block_size, self.config.norm_eps)
-        for sub, st in zip(self.sublayers, states):
-            out, st = sub(sub.res_mixer(*stream.sources()), st, True)
+        subs = list(self.sublayers)
+        for j, (sub, st) in enumerate(zip(subs, states)):
+            if stream.n_in_block == 0:
+                block_subs = subs[j : j + self.block_size]
+                queries = torch.stack([s.res_mixer.query * s.res_mixer.norm_weight for s in block_subs])
+                mix, lse = attn_res_inter_block(stream.blocks, stream.blocks_inv_rms, queries)
+            i = stream.n_in_block
+            if stream.partial is None:
+                h = mix[i].to(x.dtype)
+            else:
+                q = sub.res_mixer.query * sub.res_mixer.norm_weight
+                h = attn_res_merge(mix[i], lse[i], stream.partial, inv_rms(stream.partial, stream.eps), q)
+            out, st = sub(h, st, True)
             stream.add(out)
             new_states.append(st)
         return self.final_res_mixer(*stream.sources()), new_states

@@ -70,7 +70,7 @@ def test_plain_residual_runs_and_differs(seed):
     assert logits.shape == (2, 9, 50) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("residual", ["plain", "block_attnres"])
+@pytest.mark.parametrize("residual", ["plain", "block_attnres", "full_attnres"])
 def test_incremental_decoding_equals_full_forward(seed, residual):
     model = build(residual=residual).eval()
     idx = torch.randint(0, 50, (2, 40))

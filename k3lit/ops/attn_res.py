@@ -50,3 +50,38 @@ def attn_res_reference(
     normed = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
     a = torch.softmax(normed @ w, dim=0)  # [N, B, T]
     return (a[..., None] * V).sum(0)
+
+
+def attn_res_inter_block(
+    blocks: list[torch.Tensor], blocks_inv_rms: list[torch.Tensor], queries: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of two-phase Block AttnRes (decoding): the softmax mix over the N completed block summaries for
+    all S sublayers of the current block in one batched product, with its log-sum-exp for the later merge.
+
+    Args:
+        blocks: N summaries ``[B, T, D]``; ``blocks_inv_rms``: their ``[B, T]`` from :func:`inv_rms`.
+        queries: ``[S, D]`` the S sublayers' ``w ⊙ γ``.
+
+    Returns:
+        ``(mix [S, B, T, D], lse [S, B, T])`` in float32 (float64 for float64 blocks).
+    """
+    acc = torch.promote_types(blocks[0].dtype, torch.float32)
+    V = torch.stack(blocks)  # [N, B, T, D]
+    logits = torch.einsum("nbtd,sd->snbt", V, queries.to(V.dtype)).to(acc) * torch.stack(blocks_inv_rms)
+    lse = torch.logsumexp(logits, dim=1)  # [S, B, T]
+    mix = torch.einsum("snbt,nbtd->sbtd", torch.exp(logits - lse[:, None]), V.to(acc))
+    return mix, lse
+
+
+def attn_res_merge(
+    mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, partial_inv_rms: torch.Tensor, query: torch.Tensor
+) -> torch.Tensor:
+    """Phase 2: online-softmax merge of one sublayer's inter-block ``mix`` (``[B, T, D]``, log-sum-exp ``lse``
+    ``[B, T]``) with the block's partial sum ``[B, T, D]``; equals :func:`attn_res_mix` over blocks + partial.
+
+    The inter-block part weighs ``e^lse / (e^lse + e^l_p) = sigmoid(lse - l_p)`` with ``l_p`` the partial's logit.
+    Returns ``[B, T, D]`` in the partial's dtype.
+    """
+    l_p = (partial @ query.to(partial.dtype)).to(mix.dtype) * partial_inv_rms
+    w = torch.sigmoid(lse - l_p)[..., None]
+    return (w * mix + (1 - w) * partial.to(mix.dtype)).to(partial.dtype)

@@ -32,3 +32,18 @@ def test_mismatched_sources_raise():
     s = [torch.randn(1, 2, 4)]
     with pytest.raises(ValueError, match="one inv_rms per source"):
         attn_res_mix(s, [], torch.zeros(4))
+
+
+def test_two_phase_equals_one_pass(seed):
+    """Inter-block batch (phase 1) merged with the partial sum (phase 2) = one softmax over all sources."""
+    from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge
+
+    blocks = [torch.randn(2, 3, 16, dtype=torch.float64) * (i + 1) for i in range(4)]
+    partial = torch.randn(2, 3, 16, dtype=torch.float64)
+    queries = torch.randn(3, 16, dtype=torch.float64)
+    inv = [inv_rms(b) for b in blocks]
+    mix, lse = attn_res_inter_block(blocks, inv, queries)
+    for s in range(3):
+        assert rel_rms(mix[s], attn_res_mix(blocks, inv, queries[s])) < 1e-13
+        merged = attn_res_merge(mix[s], lse[s], partial, inv_rms(partial), queries[s])
+        assert rel_rms(merged, attn_res_mix(blocks + [partial], inv + [inv_rms(partial)], queries[s])) < 1e-13
