@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3lit.nn.short_conv import ShortConvolution
-from k3lit.ops.kda import bounded_log_decay, check_gate_bound, kda, kda_reference, largest_safe_chunk
+from k3lit.ops.kda import bounded_log_decay, check_gate_bound, kda, kda_step, largest_safe_chunk
 
 
 @dataclass
@@ -88,8 +88,8 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         g = bounded_log_decay(self.f_up(self.f_down(x)) + self.gate_bias, self.g_min).view(B, T, H, K)
         h0 = None if state is None else state.recurrent
-        if T == 1 and state is not None and not x.is_cuda:
-            o, h = kda_reference(q, k, v, g, beta, None, h0, True)  # one recurrent step
+        if T == 1 and state is not None:  # decoding: one recurrent step (fused Triton kernel on CUDA)
+            o, h = kda_step(q, k, v, g, beta, h0, backend=self.backend)
         else:
             o, h = kda(q, k, v, g, beta, None, h0, want_state, backend=self.backend, g_min=self.g_min)
         o = self.o_norm(o) * torch.sigmoid(self.o_up(self.o_down(x))).view(B, T, H, K)

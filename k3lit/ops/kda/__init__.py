@@ -87,8 +87,39 @@ def kda(
     return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
+def kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recurrent KDA step for decoding: the fused Triton kernel on CUDA, the recurrence elsewhere.
+
+    Args:
+        q, k, g: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]`` (one new token).
+        state: ``[B, H, K, V]`` float32 state before the token. The Triton path updates it in place.
+        scale: default ``K ** -0.5``.
+        backend: as :func:`kda`; ``"auto"`` and ``"triton"`` use the kernel when a CUDA device has it.
+
+    Returns:
+        ``(o [B, 1, H, V] in v's dtype, state after the token [B, H, K, V] float32)``.
+    """
+    if q.shape[1] != 1:
+        raise ValueError(f"kda_step decodes one token, got T = {q.shape[1]}")
+    if backend in ("auto", "triton") and q.is_cuda and triton_available():
+        from k3lit.kernels.kda import kda_decode_triton
+
+        return kda_decode_triton(q, k, v, g, beta, state.float().contiguous(), scale)
+    return kda_reference(q, k, v, g, beta, scale, state, True)
+
+
 __all__ = [
     "kda",
+    "kda_step",
     "kda_reference",
     "bounded_log_decay",
     "softplus_log_decay", "check_gate_bound", "largest_safe_chunk", "triton_available"]

@@ -1,0 +1,37 @@
+"""Write one section of ``benchmarks/RESULTS.md`` without touching the others (each script owns a section)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def environment() -> str:
+    """One line naming the date, device, torch and triton versions."""
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "n/a"
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return f"{datetime.date.today().isoformat()} · {device} · torch {torch.__version__} · triton {triton_v}"
+
+
+def write_section(title: str, body: str) -> None:
+    """Replace (or append) the ``## title`` section of RESULTS.md with ``body``."""
+    header = "# Benchmark results\n\nEvery table is written by the script named in its section.\n"
+    text = RESULTS.read_text() if RESULTS.exists() else header
+    section = f"## {title}\n\n{body.strip()}\n\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    RESULTS.write_text(text)
