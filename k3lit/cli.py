@@ -4,6 +4,7 @@
     k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume
     k3lit prepare --config recipes/tiny.yaml                       # tokenise the corpus into litdata chunks
     k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt --prompt "def "
+    k3lit slurm --config recipes/small.yaml --nodes 1 --gpus_per_node 1 > job.sbatch  # see k3lit.slurm
 
 Recipes have four sections: ``model`` (:class:`~k3lit.model.ModelConfig`), ``optim``
 (:class:`~k3lit.train.optim.OptimConfig`), ``data`` (:class:`~k3lit.data.K3DataModule`) and ``trainer``.
@@ -24,7 +25,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from k3lit.data import K3DataModule
+from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import ModelConfig
+from k3lit.train.callbacks import K3ThroughputMonitor, SlurmRequeue
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
 
@@ -49,6 +52,7 @@ class K3CLI(LightningCLI):
         parser.add_class_arguments(ModelConfig, "model")
         parser.add_class_arguments(OptimConfig, "optim")
         parser.add_lightning_class_args(K3DataModule, "data")
+        parser.add_argument("--compile", type=bool, default=False, help="torch.compile each sublayer (K3LitModule)")
 
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
@@ -62,7 +66,8 @@ class K3CLI(LightningCLI):
                 f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data_vocab}: "
                 "remove model.vocab_size to take it from the data, or raise it"
             )
-        self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"))
+        self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"),
+                                 compile=bool(self._get(self.config_init, "compile", default=False)))
         self.trainer = self.instantiate_trainer(**self._default_outputs())
 
     def _default_outputs(self) -> dict:
@@ -82,6 +87,9 @@ class K3CLI(LightningCLI):
             isinstance(c, RichProgressBar) for c in callbacks
         ):
             callbacks.append(RichProgressBar())
+        for kind in (K3ThroughputMonitor, SlurmRequeue):  # tokens/s + MFU; checkpoint + requeue under SLURM
+            if not any(isinstance(c, kind) for c in callbacks):
+                callbacks.append(kind())
         out["callbacks"] = callbacks
         return out
 
@@ -129,8 +137,10 @@ def generate_main(argv: list[str]) -> None:
     module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])
     model = module.model.to(args.device).eval()
-    dm = K3DataModule(**_init_args(ckpt["datamodule_hyper_parameters"]))
-    tok = dm.tokenizer
+    if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint
+        tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
+    else:
+        tok = K3DataModule(**_init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt must encode to at least one token")
@@ -148,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             return prepare_main(args[1:])
         if args and args[0] == "generate":
             return generate_main(args[1:])
+        if args and args[0] == "slurm":
+            from k3lit.slurm import slurm_main
+
+            return slurm_main(args[1:])
         K3CLI(args=argv)
     except (ValueError, FileNotFoundError) as e:  # configuration errors: say what to change, no traceback
         if os.environ.get("K3LIT_DEBUG"):

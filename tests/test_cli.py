@@ -137,3 +137,23 @@ def test_missing_checkpoint_for_generate(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--ckpt", str(tmp_path / "nope.ckpt")])
     assert "not found" in capsys.readouterr().err
+
+
+def test_checkpoint_carries_its_tokenizer(tmp_path, monkeypatch, capsys):
+    """A BPE run's checkpoint decodes text after its data cache is gone."""
+    import shutil
+
+    monkeypatch.chdir(Path(__file__).parents[1])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j}\n\n" for j in range(60)))
+    cache = tmp_path / "cache"
+    main(fit_args(tmp_path / "run", str(cache), 2, f"--data.corpus={corpus}", "--data.tokenizer=bpe:300",
+                  "--data.val_fraction=0.2"))
+    shutil.rmtree(cache)
+    capsys.readouterr()
+    main(["generate", "--ckpt", str(tmp_path / "run" / "checkpoints" / "last.ckpt"), "--prompt", "def f",
+          "--max_new_tokens", "5"])
+    assert capsys.readouterr().out.startswith("def f")
+    assert not cache.exists()

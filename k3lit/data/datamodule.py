@@ -14,7 +14,9 @@ the process group), never in ``__init__``, so each rank streams its own share.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -24,7 +26,17 @@ from litdata.streaming.item_loader import TokensLoader
 
 from k3lit.data.corpus import Split
 from k3lit.data.prepare import PreparedCorpus, prepare_corpus
-from k3lit.data.tokenizer import Tokenizer, parse_tokenizer_spec, spec_vocab_size
+from k3lit.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, parse_tokenizer_spec, spec_vocab_size
+
+
+def tokenizer_from_state(state: dict) -> Tokenizer:
+    """Rebuild the tokenizer saved by :meth:`K3DataModule.state_dict` (e.g. ``checkpoint["K3DataModule"]``)."""
+    if state.get("tokenizer_json") is None:
+        return load_tokenizer(state["tokenizer_spec"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokenizer.json"
+        path.write_text(state["tokenizer_json"])
+        return HFTokenizer(path, spec=state["tokenizer_spec"])
 
 
 def collate_tokens(items: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
@@ -131,6 +143,16 @@ class K3DataModule(L.LightningDataModule):
     def val_bytes_per_token(self) -> float:
         """UTF-8 bytes per token of the validation split: bits per byte = loss_nats / ln 2 / this."""
         return self.prepared.bytes_per_token("val")
+
+    def state_dict(self) -> dict:
+        """Saved in every Lightning checkpoint: the tokenizer itself (its JSON for HF/BPE tokenizers), so a
+        checkpoint decodes text without the data cache it was trained from."""
+        tok = self.tokenizer
+        path = getattr(tok, "path", None)
+        return {"tokenizer_spec": tok.spec, "tokenizer_json": path.read_text() if path is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: the data position lives in the train loader's own state."""
 
     def describe(self) -> str:
         """Human-readable summary of the prepared corpus: cache folder, tokenizer, tokens and bytes per split."""
