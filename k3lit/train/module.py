@@ -33,8 +33,9 @@ class K3LitModule(L.LightningModule):
     routed by a bias derived from itself.
     """
 
-    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None) -> None:
+    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None, compile: bool = False) -> None:
         super().__init__()
+        self.compile_sublayers = compile
         self.save_hyperparameters()
         self.model_config = model
         self.optim_config = optim or OptimConfig()
@@ -47,7 +48,13 @@ class K3LitModule(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Under a model-parallel strategy (a device mesh exists), shard the model with FSDP2."""
+        """``compile=True``: ``torch.compile`` every sublayer in place (state-dict names unchanged; MoE routing
+        and the KDA torch path's loop over chunks cause graph breaks, the Triton KDA op is one opaque node).
+        Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2."""
+        if self.compile_sublayers and not getattr(self, "_compiled", False):
+            for sub in self.model.sublayers:
+                sub.compile()
+            self._compiled = True
         if self.device_mesh is not None and not getattr(self, "_parallelized", False):
             from k3lit.parallel import parallelize
 

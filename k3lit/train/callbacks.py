@@ -1,0 +1,198 @@
+"""Training callbacks: tokens/s and MFU from our FLOPs formula; SLURM requeue at a step boundary.
+
+Both are in K3CLI's default callbacks; each is a no-op where it does not apply (no FLOPs peak known for the
+device: no MFU; not inside a SLURM job: no signal handler).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from k3lit.train.flops import training_flops
+
+__all__ = ["K3ThroughputMonitor", "SlurmRequeue", "peak_flops"]
+
+# Dense (no 2:4 sparsity) peaks per device from the vendors' datasheets, FLOP/s. Lightning's own table lists
+# the *sparse* figures for Hopper (2e15 bf16 for an H200), which would halve every MFU.
+_DENSE_PEAK: dict[str, dict[str, float]] = {
+    "h100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "h200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of one ``device`` computing in ``dtype``; None when unknown (e.g. a CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for chip, table in _DENSE_PEAK.items():
+        if chip in name:
+            if dtype in (torch.bfloat16, torch.float16):
+                return table["bf16" if dtype == torch.bfloat16 else "fp16"]
+            if dtype == torch.float32:
+                return table["tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"]
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    return get_available_flops(device, dtype)
+
+
+class K3ThroughputMonitor(ThroughputMonitor):
+    """Lightning's :class:`ThroughputMonitor` fed with k3lit's FLOPs count and token lengths.
+
+    Logged (rank zero, every ``log_every_n_steps``, rolling over ``window_size`` steps), with Lightning's
+    names: ``train/device/items_per_sec`` = tokens/s per device (``train/items_per_sec`` all devices, when
+    several), ``train/device/flops_per_sec`` and ``train/device/mfu`` = model FLOPs / dense peak
+    (:func:`peak_flops`; not logged where the peak is unknown, e.g. on CPUs), and the same for validation.
+    FLOPs per batch come from :func:`k3lit.train.flops.training_flops` (see that module for the formula)
+    for the shape of each batch ``[B, T + 1]``.
+
+    Args:
+        window_size: steps in the rolling average (the first ``window_size`` steps log nothing).
+        available_flops: override the per-device peak FLOP/s used for MFU.
+    """
+
+    def __init__(self, window_size: int = 20, available_flops: float | None = None) -> None:
+        super().__init__(
+            batch_size_fn=lambda b: b.shape[0],
+            length_fn=lambda b: b.shape[0] * (b.shape[1] - 1),
+            window_size=window_size,
+        )
+        self._override_flops = available_flops
+        self._flops_cache: dict[tuple[int, int], float] = {}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        peak = self._override_flops or peak_flops(trainer.strategy.root_device, dtype)
+        self.available_flops = peak
+        for throughput in self._throughputs.values():
+            throughput.available_flops = peak
+
+    def _set_flops(self, pl_module: L.LightningModule, batch: Any) -> None:
+        shape = (int(batch.shape[0]), int(batch.shape[1]) - 1)
+        if shape not in self._flops_cache:
+            self._flops_cache[shape] = training_flops(pl_module.model_config, *shape)
+        flops = self._flops_cache[shape]
+        # Validation is a forward only: a third of the training work.
+        pl_module.flops_per_batch = flops if pl_module.training else flops / 3
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *_: Any) -> None:
+        self._set_flops(pl_module, batch)
+
+    @override
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  *_: Any, **__: Any) -> None:
+        self._set_flops(pl_module, batch)
+
+
+class SlurmRequeue(Callback):
+    """Checkpoint and requeue a SLURM job on its warning signal, at the next optimizer-step boundary.
+
+    Lightning's ``SLURMEnvironment(auto_requeue=True)`` saves its checkpoint *inside* the signal handler,
+    i.e. at whatever point of the step the signal lands: possibly between a backward and its optimizer step,
+    and, with several processes, issuing the checkpoint's collectives while another rank is inside a
+    gradient all-reduce. Here the handler only raises a flag; after each optimizer step every rank agrees
+    (one boolean all-reduce) whether any rank was signalled, and if so all of them write the checkpoint the
+    next job resumes from, ``<ModelCheckpoint.dirpath>/last.ckpt`` (found by ``--ckpt_path last``, and
+    sharded through torch distributed checkpoint under FSDP2), and training stops; once it has ended on
+    every rank, rank zero runs ``scontrol requeue $SLURM_JOB_ID`` (which kills and requeues the job). Installing the handler in ``setup`` (before the
+    Trainer registers its own) keeps Lightning's in-handler save from running.
+
+    Active only inside a SLURM job (:meth:`SLURMEnvironment.detect`) and only while fitting.
+
+    Args:
+        signum: the signal ``#SBATCH --signal`` sends (default SIGUSR1).
+    """
+
+    def __init__(self, signum: int = signal.SIGUSR1) -> None:
+        self.signum = signal.Signals(signum)
+        self._signalled = False
+        self._armed = False
+        self._previous: Any = None
+        self.requeued_at_step: int | None = None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled = True
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or not SLURMEnvironment.detect():
+            return
+        if threading.current_thread() is not threading.main_thread():
+            rank_zero_warn("SlurmRequeue: not in the main thread, so no signal handler; requeue is off")
+            return
+        self._previous = signal.signal(self.signum, self._on_signal)
+        self._armed = True
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._armed:
+            rank_zero_info(f"k3lit: {self.signum.name} will checkpoint at the next step and requeue job "
+                           f"{self._job_id()} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._armed or (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        if not trainer.strategy.reduce_boolean_decision(self._signalled, all=False):
+            return
+        path = self._checkpoint_path(trainer)
+        trainer.save_checkpoint(path)  # every rank: sharded checkpoints write one shard per rank
+        self.requeued_at_step = trainer.global_step
+        rank_zero_info(f"k3lit: saved {path} at step {trainer.global_step}; requeueing job {self._job_id()}")
+        trainer.should_stop = True
+        self._signalled = False
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Requeue only now: `scontrol requeue` kills the job at once, so every checkpoint write of this run
+        # (ours, and ModelCheckpoint's at the end of the epoch) must be complete on every rank first.
+        if self.requeued_at_step is None:
+            return
+        trainer.strategy.barrier("SlurmRequeue")
+        if trainer.is_global_zero:
+            out = subprocess.run(["scontrol", "requeue", self._job_id()], capture_output=True, text=True)
+            if out.returncode:
+                rank_zero_warn(f"scontrol requeue {self._job_id()} failed ({out.returncode}): {out.stderr.strip()}")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._armed and threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
+        self._armed = False
+
+    @staticmethod
+    def _job_id() -> str:
+        array_id = os.environ.get("SLURM_ARRAY_JOB_ID")
+        job = f"{array_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_id else os.environ["SLURM_JOB_ID"]
+        if not re.fullmatch(r"[0-9_]+", job):
+            raise ValueError(f"unexpected SLURM job id {job!r}")
+        return job
+
+    @staticmethod
+    def _checkpoint_path(trainer: L.Trainer) -> str:
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+                path = os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+                # Its own: a later save_last overwrites this file instead of writing last-v1.ckpt beside it.
+                cb.last_model_path = path
+                return path
+        # No ModelCheckpoint: Lightning resumes from default_root_dir/hpc_ckpt_<n>.ckpt by itself under SLURM.
+        return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
