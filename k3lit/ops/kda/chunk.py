@@ -5,7 +5,7 @@ For a chunk of C tokens starting from state ``S_0`` (``G`` = cumulative log-deca
 
     A_kk = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)       strictly lower
     A_qk = tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)            lower, diagonal included
-    W    = (I + Diag(beta) A_kk)^-1 Diag(beta) (K⊙exp(G))       WY / UT transform
+    W    = (I + Diag(beta) A_kk)^-1 Diag(beta) (K⊙exp(G))       WY / UT transform (recursive block inverse)
     U    = (I + Diag(beta) A_kk)^-1 Diag(beta) V
     Delta = U - W S_0
     O    = scale * ((Q⊙exp(G)) S_0 + A_qk Delta)
@@ -43,6 +43,31 @@ def _pack_varlen(xs: tuple[torch.Tensor, ...], cu_seqlens: torch.Tensor) -> tupl
     t_max = max(max(lens), 1)
     packed = [torch.cat([_pad_time(x[:, lo:hi], t_max) for lo, hi in ranges]) for x in xs]
     return packed, lens
+
+
+def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]`` by recursive 2×2 block inversion.
+
+    ``[[A, 0], [X, D]]^-1 = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]``, batched over all diagonal blocks of one size
+    at a time (1, 2, 4, … up to C, padded to a power of two): log2(C) rounds of batched matrix products, as
+    stable as forward substitution, and unlike ``torch.linalg.solve_triangular`` its backward is fast on CPU.
+    """
+    C = L.shape[-1]
+    P = 1 << max(C - 1, 0).bit_length()  # next power of two
+    M = F.pad(L, [0, P - C, 0, P - C])
+    batch = M.shape[:-2]
+    inv = torch.ones(*batch, P, 1, 1, dtype=M.dtype, device=M.device)  # inverses of the 1x1 diagonal blocks
+    b = 1
+    while b < P:
+        n = P // (2 * b)
+        blocks = M.reshape(*batch, n, 2 * b, n, 2 * b).diagonal(dim1=-4, dim2=-2)  # [..., 2b, 2b, n]
+        X = blocks.movedim(-1, -3)[..., b:, :b]  # lower-left b×b block of each 2b diagonal block
+        A_inv, D_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        lower = -(D_inv @ X @ A_inv)
+        top = torch.cat([A_inv, torch.zeros_like(A_inv)], dim=-1)
+        inv = torch.cat([top, torch.cat([lower, D_inv], dim=-1)], dim=-2)  # [..., n, 2b, 2b]
+        b *= 2
+    return inv[..., 0, :C, :C]
 
 
 def kda_chunk(
@@ -92,10 +117,9 @@ def kda_chunk(
     A_kk = torch.tril(k_up @ k_down.transpose(-1, -2), diagonal=-1)  # [B, H, N, C, C]
     A_qk = torch.tril(q_up @ k_down.transpose(-1, -2)) * scale
 
-    eye = torch.eye(C, dtype=dtype, device=q.device)
-    L = eye + beta * A_kk
-    W = torch.linalg.solve_triangular(L, beta * k * G.exp(), upper=False, unitriangular=True)
-    U = torch.linalg.solve_triangular(L, beta * v, upper=False, unitriangular=True)
+    T_inv = unit_lower_inverse(beta * A_kk)  # (I + Diag(beta) A_kk)^-1, [B, H, N, C, C]
+    W = T_inv @ (beta * k * G.exp())
+    U = T_inv @ (beta * v)
     q_in = q * G.exp() * scale  # reads the state entering the chunk
     k_out = k * (G_last - G).exp()  # writes the state leaving the chunk
     decay = G_last.exp().transpose(-1, -2)  # [B, H, N, K, 1]
