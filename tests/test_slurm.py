@@ -29,14 +29,15 @@ def _controller_up() -> bool:
     return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=20).returncode == 0
 
 
-needs_slurm = pytest.mark.skipif(not _controller_up(),
-                                 reason="no slurmctld answers `scontrol ping` (start one: recipes/slurm/localhost.sh up)")
+needs_slurm = pytest.mark.skipif(
+    not _controller_up(), reason="no slurmctld answers `scontrol ping` (start one: recipes/slurm/localhost.sh up)")
 
 
 # --- layout checks: before anything is written or submitted -------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,fit_args,message", [
-    ({"nodes": 2, "tasks_per_node": 1}, ["--trainer.num_nodes=4"], "trainer.num_nodes=4 but the job asks for --nodes=2"),
+    ({"nodes": 2, "tasks_per_node": 1}, ["--trainer.num_nodes=4"],
+     "trainer.num_nodes=4 but the job asks for --nodes=2"),
     ({"tasks_per_node": 2}, [], "trainer.devices=1 per node but the job starts 2 tasks per node"),
     ({"nodes": 1, "tasks_per_node": 4}, ["--trainer.devices=8"], "trainer.devices=8 per node"),
     ({"tasks_per_node": 0}, [], "must both be >= 1"),
@@ -52,7 +53,8 @@ def test_mismatched_mesh_is_refused(tmp_path):
         "  devices: 1\n",
         "  devices: 4\n  strategy:\n    class_path: lightning.pytorch.strategies.ModelParallelStrategy\n"
         "    init_args: {data_parallel_size: 3, tensor_parallel_size: 1}\n"))
-    with pytest.raises(LayoutError, match=r"data_parallel_size=3 x tensor_parallel_size=1 = 3, .* 2 nodes x 4 tasks = 8"):
+    message = r"data_parallel_size=3 x tensor_parallel_size=1 = 3, .* 2 nodes x 4 tasks = 8"
+    with pytest.raises(LayoutError, match=message):
         render(recipe, nodes=2, fit_args=["--trainer.num_nodes=2"])
 
 

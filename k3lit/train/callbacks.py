@@ -111,8 +111,9 @@ class SlurmRequeue(Callback):
     (one boolean all-reduce) whether any rank was signalled, and if so all of them write the checkpoint the
     next job resumes from, ``<ModelCheckpoint.dirpath>/last.ckpt`` (found by ``--ckpt_path last``, and
     sharded through torch distributed checkpoint under FSDP2), and training stops; once it has ended on
-    every rank, rank zero runs ``scontrol requeue $SLURM_JOB_ID`` (which kills and requeues the job). Installing the handler in ``setup`` (before the
-    Trainer registers its own) keeps Lightning's in-handler save from running.
+    every rank, rank zero runs ``scontrol requeue $SLURM_JOB_ID`` (which kills and requeues the job).
+    Installing the handler in ``setup`` (before the Trainer registers its own) keeps Lightning's in-handler
+    save from running.
 
     Active only inside a SLURM job (:meth:`SLURMEnvironment.detect`) and only while fitting.
 
