@@ -1,7 +1,16 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Spawned worker processes (torch.multiprocessing) import test modules by name (`tests.parallel...`): put the
+# repository root on the path of this process and of every child it starts.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 # Keep CPU tests on the two cores CI has, one per xdist worker.
 torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
