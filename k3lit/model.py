@@ -37,7 +37,7 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
 }
-BALANCERS = ("quantile", "aux_free", "aux_loss", "none")
+BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 
 
 @dataclass
@@ -57,9 +57,13 @@ class ModelConfig:
         n_experts: experts per MoE layer; 0 makes every channel mixer dense.
         first_dense_layers: the first layers keep a dense SwiGLU even when n_experts > 0.
         top_k, expert_dim, n_shared_experts: routed experts per token, expert hidden width, shared experts.
-        balancer: ``quantile`` (K3 quantile balancing), ``aux_free`` (sign bias), ``aux_loss``, ``none``.
+        balancer: ``quantile`` (K3 quantile balancing, exact pooled quantile), ``quantile_hist`` (the same by
+            the 1000-bin histogram estimator: one all-reduce per layer per step, for large runs),
+            ``aux_free`` (sign bias), ``aux_loss``, ``none``.
         bias_update_rate: step size u of the ``aux_free`` sign-bias update.
         aux_loss_coef: α of the ``aux_loss`` balancer.
+        capacity_factor: None (no limit) or cf > 0: each expert takes at most ``ceil(cf · m k / n)`` tokens
+            of a micro-batch (per rank); overflow is re-routed to the next candidate with room, else dropped.
         residual: ``plain`` (x + f(x)), ``block_attnres`` or ``full_attnres``.
         attnres_block_size: sublayers per block for ``block_attnres`` (2 sublayers = 1 transformer layer).
         activation_checkpointing: ``none``; ``layer`` (recompute each sublayer); ``block`` (keep only the
@@ -89,6 +93,7 @@ class ModelConfig:
     balancer: str = "quantile"
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 1e-2
+    capacity_factor: float | None = None
     residual: str = "block_attnres"
     attnres_block_size: int = 4
     activation_checkpointing: str = "none"
@@ -118,7 +123,7 @@ class ModelConfig:
         if self.n_experts:
             if not 1 <= self.top_k <= self.n_experts:
                 raise bad("top_k", f"must lie in [1, n_experts={self.n_experts}]")
-            if self.top_k == self.n_experts and self.balancer == "quantile":
+            if self.top_k == self.n_experts and self.balancer in ("quantile", "quantile_hist"):
                 raise bad("top_k", "quantile balancing needs top_k < n_experts (it reads the (k+1)-th score)")
             if self.expert_dim < 1:
                 raise bad("expert_dim", "must be a positive integer")
@@ -128,6 +133,8 @@ class ModelConfig:
             raise bad("first_dense_layers", f"must lie in [0, n_layers={self.n_layers}]")
         if self.balancer not in BALANCERS:
             raise bad("balancer", f"choose one of {BALANCERS}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise bad("capacity_factor", "must be > 0 (e.g. 1.25), or null for no capacity limit")
         if self.residual not in RESIDUALS:
             raise bad("residual", f"choose one of {RESIDUALS}")
         if self.attnres_block_size < 1:
@@ -186,7 +193,7 @@ class K3LM(nn.Module):
                 mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps)
             if c.is_moe(layer):
                 channel = MoE(c.dim, c.n_experts, c.top_k, c.expert_dim, c.n_shared_experts, c.balancer,
-                              c.bias_update_rate, c.aux_loss_coef)
+                              c.bias_update_rate, c.aux_loss_coef, c.capacity_factor)
             else:
                 channel = SwiGLU(c.dim, c.mlp_hidden)
             sublayers += [Sublayer(mixer, c.dim, c.norm_eps, attn_res), Sublayer(channel, c.dim, c.norm_eps, attn_res)]

@@ -3,12 +3,15 @@
 Reads top-down: :class:`MoE` (router -> route -> sorted dispatch -> stacked SwiGLU experts through one
 grouped matmul -> float32 combine), then the balancer bookkeeping. The math of the balancers lives in
 :mod:`k3lit.ops.routing` as pure functions; this module only collects their inputs over one optimizer
-step and applies their output.
+step and applies their output. Expert parallelism (experts sharded over ranks, tokens exchanged by
+all-to-all) is switched on by :func:`k3lit.parallel.parallelize` setting :attr:`MoE.ep_group`; with
+``ep_group=None`` the layer is the plain single-process one.
 
 Balancer life cycle (REFERENCE.md §2):
 
 * ``forward`` in training mode records the statistics of its micro-batch (detached float32 scores for
-  ``quantile``, expert loads for ``aux_free``) and routes with the *current* bias;
+  ``quantile``, integer histogram counts of the required bias for ``quantile_hist``, expert loads for
+  ``aux_free``) and routes with the *current* bias;
 * the training loop calls :meth:`MoE.update_balancer` (or :func:`update_balancers` on the whole model)
   once per optimizer step; it pools every micro-batch of the step (and every rank, when
   ``torch.distributed`` is initialised), computes the new bias and clears the statistics, so a batch is
@@ -28,11 +31,22 @@ from torch import nn
 
 from k3lit.nn.mlp import SwiGLU
 from k3lit.ops.grouped_mm import grouped_mm
-from k3lit.ops.routing import aux_loss, expert_load, quantile_bias, route, sign_bias_update
+from k3lit.ops.routing import (
+    aux_loss,
+    capacity_route,
+    expert_load,
+    quantile_bias,
+    quantile_bias_from_histogram,
+    required_bias_histogram,
+    route,
+    router_entropy,
+    sign_bias_update,
+)
 
-__all__ = ["MoE", "BALANCERS", "update_balancers"]
+__all__ = ["MoE", "GroupedExperts", "BALANCERS", "update_balancers"]
 
-BALANCERS = ("quantile", "aux_free", "aux_loss", "none")
+BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
+HIST_BINS = 1000  # bins per expert of the quantile_hist estimator (REFERENCE.md §2)
 _PENDING_WARN = 4096  # micro-batches without an update_balancer() call before we warn once
 
 
@@ -40,6 +54,54 @@ def _in_backward() -> bool:
     """True while autograd executes a backward pass, e.g. when activation checkpointing (reentrant or not)
     re-runs a forward to recompute saved tensors."""
     return torch._C._current_graph_task_id() != -1
+
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """The local shard of an expert-parallel DTensor weight (``[n / ep, ...]``); a plain tensor unchanged."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward, gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: D102
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad * ctx.scale, None
+
+
+class GroupedExperts(nn.Module):
+    """``E`` stacked SwiGLU experts behind one grouped matmul: ``forward(xs [M, D], offsets [E]) -> [M, D]``.
+
+    Rows of ``xs`` are sorted by expert; ``offsets[e]`` is the exclusive end row of expert e (int32/int64).
+    Under expert parallelism the weights are DTensors sharded on dim 0 over the expert-parallel mesh and
+    ``forward`` runs the local ``E = n / ep`` experts on the rows this rank received.
+
+    Attributes:
+        w_gate_up: ``[n, D, 2F]`` (gate | up).
+        w_down: ``[n, F, D]``.
+    """
+
+    def __init__(self, n_experts: int, dim: int, expert_dim: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * expert_dim))
+        self.w_down = nn.Parameter(torch.empty(n_experts, expert_dim, dim))
+        self.grad_scale = 1.0  # set to 1/ep by k3lit.parallel.parallelize (see there)
+
+    def forward(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
+        if self.grad_scale != 1.0:
+            w_gate_up, w_down = _ScaleGrad.apply(w_gate_up, self.grad_scale), _ScaleGrad.apply(w_down, self.grad_scale)
+        gate, up = grouped_mm(xs, w_gate_up, offsets).chunk(2, dim=-1)  # [M, F] each
+        ys = grouped_mm(F.silu(gate) * up, w_down, offsets)  # [M, D]
+        if xs.shape[0] == 0:  # keep the weights in the graph: FSDP must reduce a (zero) gradient on every rank
+            ys = ys + 0.0 * (w_gate_up.sum() + w_down.sum())
+        return ys
 
 
 class MoE(nn.Module):
@@ -51,24 +113,34 @@ class MoE(nn.Module):
     Args:
         dim: model width D.
         n_experts: routed experts n.
-        top_k: experts per token k (``< n_experts`` for ``quantile``, which needs a (k+1)-th choice).
+        top_k: experts per token k (``< n_experts`` for the quantile balancers, which need a (k+1)-th choice).
         expert_dim: hidden width of each SwiGLU expert.
         n_shared_experts: always-on experts, fused into one dense SwiGLU of width
             ``n_shared_experts * expert_dim``; 0 disables them.
-        balancer: ``"quantile"`` (Quantile Balancing), ``"aux_free"`` (sign bias, rate
-            ``bias_update_rate``), ``"aux_loss"`` (Switch/GShard loss, coefficient ``aux_loss_coef``) or
-            ``"none"``.
+        balancer: ``"quantile"`` (Quantile Balancing, exact pooled quantile: gathers every score of the
+            step), ``"quantile_hist"`` (Quantile Balancing by the histogram estimator: ``HIST_BINS`` integer
+            bins per expert, one all-reduce per step), ``"aux_free"`` (sign bias, rate ``bias_update_rate``),
+            ``"aux_loss"`` (Switch/GShard loss, coefficient ``aux_loss_coef``) or ``"none"``.
         bias_update_rate: u of the ``aux_free`` sign rule.
         aux_loss_coef: α of the ``aux_loss`` balancer.
+        capacity_factor: None (no limit) or cf > 0: each expert takes at most ``ceil(cf · m k / n)`` of the
+            ``m`` tokens of a forward (per rank); overflow goes to the token's next candidate expert with
+            room, else is dropped (:func:`k3lit.ops.routing.capacity_route`).
 
     Attributes:
         expert_bias: ``[n]`` float32 buffer; stays float32 under ``.to(dtype)``, ``.half()``, ``.bfloat16()``
             and Lightning precision plugins (see :meth:`_apply`). Saved in the state dict.
+        experts: the stacked experts (:class:`GroupedExperts`).
         aux_loss: scalar tensor with the coefficient applied, set by a training forward of the ``aux_loss``
             balancer (None otherwise); add it to the task loss.
-        last_load: ``[n]`` float32 detached token counts of the latest forward, for metrics.
+        last_load: ``[n]`` float32 detached token counts of the latest forward (this rank's tokens), for metrics.
+        last_stats: ``{"tokens", "rerouted", "dropped", "entropy"}`` floats of the latest forward (not
+            recomputation): token count, re-routed and dropped (token, expert) slots, mean router entropy
+            (nats, of the normalised scores ``s_i / Σ_j s_ij``).
         process_group: group whose ranks pool their statistics in :meth:`update_balancer` (None: the
             default group when ``torch.distributed`` is initialised).
+        ep_group: expert-parallel group (None: every expert is local). Set by
+            :func:`k3lit.parallel.parallelize` together with sharding :attr:`experts` on dim 0.
     """
 
     def __init__(
@@ -81,6 +153,7 @@ class MoE(nn.Module):
         balancer: str = "quantile",
         bias_update_rate: float = 1e-3,
         aux_loss_coef: float = 1e-2,
+        capacity_factor: float | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("n_experts", n_experts), ("top_k", top_k), ("expert_dim", expert_dim)):
@@ -90,38 +163,55 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: n_shared_experts must be >= 0, got {n_shared_experts}")
         if balancer not in BALANCERS:
             raise ValueError(f"MoE: balancer must be one of {BALANCERS}, got {balancer!r}")
-        k_max = n_experts - 1 if balancer == "quantile" else n_experts
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor}")
+        quantile = balancer in ("quantile", "quantile_hist")
+        k_max = n_experts - 1 if quantile else n_experts
         if top_k > k_max:
             raise ValueError(
                 f"MoE: top_k must be <= {k_max} for n_experts={n_experts} and balancer={balancer!r}, got {top_k}"
                 + (" (quantile balancing needs a (k+1)-th expert: raise n_experts or lower top_k)"
-                   if balancer == "quantile" else "")
+                   if quantile else "")
             )
         self.dim, self.n_experts, self.top_k, self.expert_dim = dim, n_experts, top_k, expert_dim
         self.n_shared_experts, self.balancer = n_shared_experts, balancer
         self.bias_update_rate, self.aux_loss_coef = bias_update_rate, aux_loss_coef
+        self.capacity_factor = capacity_factor
 
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.w_gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * expert_dim))  # [E, D, 2F]: gate | up
-        self.w_down = nn.Parameter(torch.empty(n_experts, expert_dim, dim))  # [E, F, D]
+        self.experts = GroupedExperts(n_experts, dim, expert_dim)
         self.shared = SwiGLU(dim, n_shared_experts * expert_dim) if n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         self.process_group: dist.ProcessGroup | None = None
+        self.ep_group: dist.ProcessGroup | None = None
 
         self.aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
+        self.last_stats: dict[str, float] = {}
         self._pending_scores: list[torch.Tensor] = []  # quantile: detached float32 [m_b, n] per micro-batch
+        self._pending_hist: torch.Tensor | None = None  # quantile_hist: [n, HIST_BINS] int64 summed counts
+        self._hist_range: tuple[torch.Tensor, torch.Tensor] | None = None  # quantile_hist: bin range this step
         self._pending_load: torch.Tensor | None = None  # aux_free: [n] float32 summed over micro-batches
         self._pending_batches = 0
         self._warned = False
         self.reset_parameters()
 
+    @property
+    def w_gate_up(self) -> torch.Tensor:
+        """``[n, D, 2F]`` stacked gate|up weights (``experts.w_gate_up``)."""
+        return self.experts.w_gate_up
+
+    @property
+    def w_down(self) -> torch.Tensor:
+        """``[n, F, D]`` stacked down weights (``experts.w_down``)."""
+        return self.experts.w_down
+
     def reset_parameters(self, std: float | None = None, down_std: float | None = None) -> None:
         """Normal init of the stacked experts: ``w_gate_up ~ N(0, std)`` (default ``dim**-0.5``),
         ``w_down ~ N(0, down_std)`` (default ``expert_dim**-0.5``); the router and shared experts keep
         ``nn.Linear`` init. The bias is left alone (it is balancer state, not a weight)."""
-        nn.init.normal_(self.w_gate_up, std=self.dim**-0.5 if std is None else std)
-        nn.init.normal_(self.w_down, std=self.expert_dim**-0.5 if down_std is None else down_std)
+        nn.init.normal_(self.experts.w_gate_up, std=self.dim**-0.5 if std is None else std)
+        nn.init.normal_(self.experts.w_down, std=self.expert_dim**-0.5 if down_std is None else down_std)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,10 +220,16 @@ class MoE(nn.Module):
         h = x.reshape(-1, D)  # [m, D], m = B T
         acc = torch.promote_types(x.dtype, torch.float32)
         scores = self.router_scores(h)  # [m, n] acc
-        expert_idx, weights = route(scores, self.expert_bias, self.top_k)  # [m, k] int64, [m, k] acc
-        self._record(scores, expert_idx)
+        rerouted = dropped = None
+        if self.capacity_factor is None:
+            expert_idx, weights = route(scores, self.expert_bias, self.top_k)  # [m, k] int64, [m, k] acc
+        else:  # dropped slots have index -1 and weight 0
+            expert_idx, weights, rerouted, dropped = capacity_route(
+                scores, self.expert_bias, self.top_k, self.capacity_factor
+            )
+        self._record(scores, expert_idx, rerouted, dropped)
 
-        y = self.experts(h, expert_idx)  # [m, k, D]
+        y = self.run_experts(h, expert_idx)  # [m, k, D]
         out = (y.to(acc) * weights.to(acc)[..., None]).sum(dim=1)  # [m, D]
         if self.shared is not None:
             out = out + self.shared(h).to(acc)
@@ -145,29 +241,46 @@ class MoE(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             return torch.sigmoid(F.linear(h.to(acc), self.router.weight.to(acc)))
 
-    def experts(self, h: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
-        """Apply the selected SwiGLU experts: ``h [m, D]``, ``expert_idx [m, k]`` -> ``[m, k, D]``.
+    def run_experts(self, h: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
+        """Apply the selected SwiGLU experts: ``h [m, D]``, ``expert_idx [m, k]`` (-1 = dropped) -> ``[m, k, D]``.
 
-        The ``m k`` (token, expert) slots are sorted by expert, run through two grouped matmuls over the
-        stacked weights, and put back in slot order.
+        The ``m k`` (token, expert) slots are sorted by expert and run through :attr:`experts` (two grouped
+        matmuls over the stacked weights) -- on this rank, or, with :attr:`ep_group`, on the ranks that own
+        them (:func:`k3lit.parallel.dispatch.expert_parallel_apply`); results come back in slot order,
+        zero for dropped slots.
         """
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            from k3lit.parallel.dispatch import expert_parallel_apply  # lazy: k3lit.parallel imports the model
+
+            return expert_parallel_apply(h, expert_idx, self.experts, self.n_experts, self.ep_group)
         m, k = expert_idx.shape
         flat = expert_idx.reshape(-1)  # [m k]
-        order = flat.argsort(stable=True)  # sorted slot -> original slot
-        offsets = torch.bincount(flat, minlength=self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
-        xs = h[order // k]  # [m k, D] rows grouped by expert
-        gate, up = grouped_mm(xs, self.w_gate_up, offsets).chunk(2, dim=-1)  # [m k, F] each
-        ys = grouped_mm(F.silu(gate) * up, self.w_down, offsets)  # [m k, D]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return ys[inverse].view(m, k, -1)
+        if self.capacity_factor is None:
+            order = flat.argsort(stable=True)  # sorted slot -> original slot
+            offsets = torch.bincount(flat, minlength=self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
+            ys = self.experts(h[order // k], offsets)  # [m k, D]
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            return ys[inverse].view(m, k, -1)
+        flat = torch.where(flat < 0, self.n_experts, flat)  # dropped slots sort last, into no group
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts]
+        kept = order[: int(counts.sum())]
+        ys = self.experts(h[kept // k], counts.cumsum(0).to(torch.int32))
+        return ys.new_zeros(m * k, ys.shape[-1]).index_copy(0, kept, ys).view(m, k, -1)
 
     # ----------------------------------------------------------------------------------------- balancer
-    def _record(self, scores: torch.Tensor, expert_idx: torch.Tensor) -> None:
+    def _record(
+        self,
+        scores: torch.Tensor,
+        expert_idx: torch.Tensor,
+        rerouted: torch.Tensor | None = None,
+        dropped: torch.Tensor | None = None,
+    ) -> None:
         """Side outputs and balancer statistics of one forward (skipped when re-run inside backward)."""
         recompute = _in_backward()
         if self.training and self.balancer == "aux_loss":
-            loss = self.aux_loss_coef * aux_loss(scores, expert_idx, self.n_experts, self.top_k)
+            loss = self.aux_loss_coef * aux_loss(scores, expert_idx.clamp(min=0), self.n_experts, self.top_k)
             if not recompute:
                 self.aux_loss = loss
         elif not recompute:
@@ -176,10 +289,23 @@ class MoE(nn.Module):
             return
         load = expert_load(expert_idx, self.n_experts).detach()
         self.last_load = load
-        if not self.training or self.balancer not in ("quantile", "aux_free"):
+        zero = load.new_zeros(())
+        self.last_stats = {  # 0-d float32 tensors: no host sync in the forward
+            "tokens": load.new_tensor(float(scores.shape[0])),
+            "rerouted": zero if rerouted is None else rerouted.float(),
+            "dropped": zero if dropped is None else dropped.float(),
+            "entropy": router_entropy(scores),
+        }
+        if not self.training or self.balancer not in ("quantile", "quantile_hist", "aux_free"):
             return
         if self.balancer == "quantile":
             self._pending_scores.append(scores.detach().float())
+        elif self.balancer == "quantile_hist":
+            if self._hist_range is None:  # fixed for the whole step: the bias does not change within it
+                self._hist_range = _hist_range(self.expert_bias)
+            counts = required_bias_histogram(scores.detach(), self.expert_bias, self.top_k, *self._hist_range,
+                                             HIST_BINS)
+            self._pending_hist = counts if self._pending_hist is None else self._pending_hist + counts
         else:
             self._pending_load = load if self._pending_load is None else self._pending_load + load
         self._pending_batches += 1
@@ -196,6 +322,8 @@ class MoE(nn.Module):
         """Tokens recorded since the last :meth:`update_balancer` (quantile and aux_free balancers)."""
         if self.balancer == "quantile":
             return sum(s.shape[0] for s in self._pending_scores)
+        if self.balancer == "quantile_hist":
+            return 0 if self._pending_hist is None else int(self._pending_hist[0].sum())
         if self._pending_load is None:
             return 0
         return round(self._pending_load.sum().item() / self.top_k)
@@ -203,18 +331,23 @@ class MoE(nn.Module):
     def reset_balancer_stats(self) -> None:
         """Drop the statistics recorded since the last update (e.g. after a skipped optimizer step)."""
         self._pending_scores, self._pending_load, self._pending_batches = [], None, 0
+        self._pending_hist, self._hist_range = None, None
 
     @torch.no_grad()
     def update_balancer(self) -> None:
         """Set the bias for the next optimizer step from every micro-batch recorded in this one.
 
-        Call exactly once per optimizer step, after the last micro-batch's forward, on every rank. A no-op
-        for the ``aux_loss`` and ``none`` balancers, and when nothing was recorded (single process).
+        Call exactly once per optimizer step, after the last micro-batch's forward, on every rank of
+        :attr:`process_group`. A no-op for the ``aux_loss`` and ``none`` balancers, and when nothing was
+        recorded (single process). Communication per call: ``quantile`` gathers every score row;
+        ``quantile_hist`` all-reduces ``n · HIST_BINS`` int64 counts (one call); ``aux_free`` all-reduces
+        ``n`` loads.
         """
-        if self.balancer not in ("quantile", "aux_free"):
+        if self.balancer not in ("quantile", "quantile_hist", "aux_free"):
             return
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
         device = self.expert_bias.device
+        new_bias = None
         if self.balancer == "quantile":
             if not self._pending_scores and not distributed:
                 return
@@ -223,6 +356,16 @@ class MoE(nn.Module):
             if distributed:
                 scores = _all_gather_rows(scores, self.process_group)
             new_bias = quantile_bias(scores, self.expert_bias, self.top_k) if scores.shape[0] else None
+        elif self.balancer == "quantile_hist":
+            if self._pending_hist is None and not distributed:
+                return
+            counts = (torch.zeros(self.n_experts, HIST_BINS, dtype=torch.int64, device=device)
+                      if self._pending_hist is None else self._pending_hist.to(device))
+            if distributed:  # every rank must agree on the bin range: it derives from the shared bias
+                dist.all_reduce(counts, group=self.process_group)
+            if counts[0].sum() > 0:
+                lo, hi = _hist_range(self.expert_bias)
+                new_bias = quantile_bias_from_histogram(counts, lo, hi, self.top_k)
         else:
             if self._pending_load is None and not distributed:
                 return
@@ -256,8 +399,16 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, n_experts={self.n_experts}, top_k={self.top_k}, expert_dim={self.expert_dim}, "
-            f"n_shared_experts={self.n_shared_experts}, balancer={self.balancer!r}"
+            f"n_shared_experts={self.n_shared_experts}, balancer={self.balancer!r}, "
+            f"capacity_factor={self.capacity_factor}"
         )
+
+
+def _hist_range(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bin range ``[min(b) - 1, max(b) + 1]`` of the required bias ``alpha_i - s_ij`` (``s ∈ (0, 1)``), as 0-d
+    float32 tensors: identical on every rank, since the bias is."""
+    b = bias.detach().float()
+    return b.min() - 1.0, b.max() + 1.0
 
 
 def _all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

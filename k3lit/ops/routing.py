@@ -12,7 +12,11 @@ Balancers:
 * :func:`aux_loss` -- the Switch/GShard auxiliary loss ``n · Σ_j f_j P_j`` (the caller applies its
   coefficient).
 
-Metrics: :func:`expert_load` and :func:`max_violation` (``MaxVio``).
+* :func:`required_bias_histogram` + :func:`quantile_bias_from_histogram` -- the distributed estimate of
+  :func:`quantile_bias`: integer histogram counts that add up over micro-batches and ranks (one all-reduce).
+* :func:`capacity_route` -- top-k routing with a per-expert capacity; overflow re-routed or dropped.
+
+Metrics: :func:`expert_load`, :func:`max_violation` (``MaxVio``) and :func:`router_entropy`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,18 @@ import math
 
 import torch
 
-__all__ = ["route", "quantile_bias", "sign_bias_update", "aux_loss", "expert_load", "max_violation"]
+__all__ = [
+    "route",
+    "capacity_route",
+    "quantile_bias",
+    "required_bias_histogram",
+    "quantile_bias_from_histogram",
+    "sign_bias_update",
+    "aux_loss",
+    "expert_load",
+    "max_violation",
+    "router_entropy",
+]
 
 
 def _check_scores_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, k_max: int) -> None:
@@ -155,9 +170,10 @@ def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
         n: number of experts.
 
     Returns:
-        ``[n]`` float32 counts (exact below 2^24 per expert).
+        ``[n]`` float32 counts (exact below 2^24 per expert). Negative indices (dropped slots of
+        :func:`capacity_route`) are not counted.
     """
-    return torch.bincount(expert_idx.reshape(-1), minlength=n).float()
+    return torch.bincount(expert_idx.reshape(-1) + 1, minlength=n + 1)[1:].float()  # shift: -1 -> bin 0
 
 
 def max_violation(load: torch.Tensor, k: int, m: int | float) -> torch.Tensor:
@@ -174,3 +190,160 @@ def max_violation(load: torch.Tensor, k: int, m: int | float) -> torch.Tensor:
     n = load.shape[-1]
     mean_load = m * k / n
     return ((load.float().amax(dim=-1) - mean_load) / mean_load).float()
+
+
+def router_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of the normalised router scores ``p_ij = s_ij / Σ_j s_ij``: ``[m, n] -> []`` float32.
+
+    ``log n`` for a router that scores every expert alike; lower when the scores concentrate.
+    """
+    if scores.shape[0] == 0:
+        return scores.new_zeros((), dtype=torch.float32)
+    s = scores.detach().float()
+    p = s / s.sum(dim=-1, keepdim=True)
+    return -(p * p.clamp_min(1e-30).log()).sum(dim=-1).mean()
+
+
+def _rank_within_groups(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Position of each element among the elements of its group, in input order: ``[M] int64 -> [M] int64``."""
+    order = groups.argsort(stable=True)
+    counts = torch.bincount(groups, minlength=n_groups)
+    starts = counts.cumsum(0) - counts
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(groups.numel(), device=groups.device) - starts[groups[order]]
+    return pos
+
+
+def capacity_route(
+    scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing with an expert capacity ``c = min(ceil(cf · m k / n), m)`` (REFERENCE.md §2, seed).
+
+    Slots are admitted in priority order: all first choices (token order), then all second choices, ...;
+    an expert admits slots while it has room. A rejected slot moves to its token's next candidate (the
+    ``(k+1)``-th, ``(k+2)``-th, ... expert of ``s_i + b``, each candidate used once per token) and competes
+    for the room left, in token order, round after round; a slot that runs out of candidates is dropped.
+    No expert ever takes more than ``c`` slots, and ``c >= 1`` so that ``m k / n < 1`` still routes.
+
+    Args:
+        scores: ``[m, n]`` router scores (may require grad; the weights are differentiable).
+        bias: ``[n]`` float32 selection bias.
+        k: experts per token, ``1 <= k <= n``.
+        capacity_factor: cf > 0.
+
+    Returns:
+        ``(expert_idx [m, k] int64, weights [m, k], rerouted [] int64, dropped [] int64)``: ``expert_idx`` is
+        -1 for a dropped slot, whose weight is 0; the weights of a token's kept slots are its scores
+        normalised over them (all-zero if every slot was dropped); ``rerouted`` counts slots that ended on a
+        later candidate, ``dropped`` slots with no expert.
+
+    Raises:
+        ValueError: bad shapes, k, or ``capacity_factor <= 0``.
+    """
+    _check_scores_bias(scores, bias, k, scores.shape[1])
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    m, n = scores.shape
+    dev = scores.device
+    cap = max(1, min(math.ceil(capacity_factor * m * k / n), m))
+    with torch.no_grad():
+        ranked = (scores.detach() + bias.to(scores.dtype)).argsort(dim=-1, descending=True)  # [m, n]
+        final = torch.full((m, k), -1, dtype=torch.long, device=dev)
+        room = torch.full((n,), cap, dtype=torch.long, device=dev)
+        pointer = torch.full((m,), k, dtype=torch.long, device=dev)  # next unused candidate per token
+        # proposals in priority order: slot-major, then token order
+        tok = torch.arange(m, device=dev).repeat(k)  # [k m]
+        slot = torch.arange(k, device=dev).repeat_interleave(m)
+        exp = ranked[:, :k].T.reshape(-1)
+        rerouted = torch.zeros((), dtype=torch.long, device=dev)
+        first = True
+        while tok.numel():
+            pos = _rank_within_groups(exp, n)
+            ok = pos < room[exp]
+            final[tok[ok], slot[ok]] = exp[ok]
+            room -= torch.bincount(exp[ok], minlength=n)
+            if not first:
+                rerouted += ok.sum()
+            first = False
+            tok, slot = tok[~ok], slot[~ok]
+            if tok.numel() == 0:
+                break
+            by_token = tok.argsort(stable=True)  # later rounds: token order
+            tok, slot = tok[by_token], slot[by_token]
+            cand = pointer[tok] + _rank_within_groups(tok, m)
+            pointer.index_add_(0, tok, torch.ones_like(tok))
+            alive = cand < n
+            tok, slot, cand = tok[alive], slot[alive], cand[alive]
+            exp = ranked[tok, cand]
+        dropped = (final < 0).sum()
+    chosen = scores.gather(1, final.clamp(min=0)) * (final >= 0)
+    weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    return final, weights, rerouted, dropped
+
+
+def required_bias_histogram(
+    scores: torch.Tensor, bias: torch.Tensor, k: int, lo: float | torch.Tensor, hi: float | torch.Tensor, bins: int
+) -> torch.Tensor:
+    """Histogram of the required biases ``r_ij = alpha_i - s_ij`` of one micro-batch, per expert.
+
+    ``alpha_i`` is the (k+1)-th largest ``s_i + b``. Bins are ``bins`` uniform cells over ``[lo, hi)``; values
+    outside are clamped into the first / last bin. With ``lo = min(b) - 1`` and ``hi = max(b) + 1`` no value is
+    outside (``s ∈ (0, 1)``). Counts add up over micro-batches and ranks, so one integer all-reduce of the
+    sum yields the histogram of the pooled global batch.
+
+    Args:
+        scores: ``[m, n]`` router scores (detached is fine).
+        bias: ``[n]`` float32 bias that routed these tokens.
+        k: experts per token, ``1 <= k < n``.
+        lo, hi: bin range (floats or 0-d tensors), ``lo < hi``.
+        bins: bins per expert B.
+
+    Returns:
+        ``[n, bins]`` int64 counts; every row sums to m.
+    """
+    _check_scores_bias(scores, bias, k, scores.shape[1] - 1)
+    m, n = scores.shape
+    with torch.no_grad():
+        s = scores.detach().float()
+        alpha = (s + bias.float()).topk(k + 1, dim=-1).values[:, -1]  # [m]
+        r = alpha[:, None] - s  # [m, n]
+        cell = ((r - lo) * (bins / (hi - lo))).floor().clamp_(0, bins - 1).long()
+        cell += torch.arange(n, device=s.device) * bins
+        return torch.bincount(cell.reshape(-1), minlength=n * bins).view(n, bins)
+
+
+def quantile_bias_from_histogram(
+    counts: torch.Tensor, lo: float | torch.Tensor, hi: float | torch.Tensor, k: int, *, center: bool = True
+) -> torch.Tensor:
+    """Quantile Balancing from pooled histogram counts (the distributed estimate of :func:`quantile_bias`).
+
+    With ``m = Σ_b counts[j, b]`` tokens and target load ``q = m k / n``: for each expert take the first
+    bin whose cumulative count reaches ``q`` and interpolate linearly inside it (mass spread uniformly over
+    the bin), i.e. the value where the piecewise-linear empirical CDF equals ``q`` -- the continuous
+    counterpart of the Hazen position ``q - 1/2`` of :func:`quantile_bias`. Error below one bin width
+    ``(hi - lo) / bins`` when the bins around the quantile are populated. Then mean-centre.
+
+    Args:
+        counts: ``[n, bins]`` int64 pooled counts from :func:`required_bias_histogram`.
+        lo, hi: the bin range the counts were taken with.
+        k: experts per token.
+        center: subtract the mean (default).
+
+    Returns:
+        ``[n]`` float32 new bias.
+    """
+    n, bins = counts.shape
+    c = counts.double()
+    m = c[0].sum()
+    q = m * k / n
+    cum = c.cumsum(dim=1)  # [n, B]
+    b = (cum < q).sum(dim=1).clamp(max=bins - 1)  # first bin with cum >= q
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(q))
+    inside = c.gather(1, b[:, None])[:, 0]
+    frac = ((q - before) / inside.clamp(min=1)).clamp(0, 1)
+    lo_t = torch.as_tensor(lo, dtype=torch.float64, device=counts.device)
+    width = (torch.as_tensor(hi, dtype=torch.float64, device=counts.device) - lo_t) / bins
+    new_bias = lo_t + (b.double() + frac) * width
+    if center:
+        new_bias = new_bias - new_bias.mean()
+    return new_bias.float()

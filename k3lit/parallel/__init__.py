@@ -1,5 +1,8 @@
-"""Parallelism applied to a single-device K3LM: FSDP2 sharding (and, later, expert parallelism)."""
+"""Parallelism applied to a single-device K3LM: expert parallelism (all-to-all dispatch) and FSDP2 sharding,
+through a Lightning strategy (:class:`ExpertParallelStrategy`)."""
 
+from k3lit.parallel.clip import clip_grad_norm_, total_grad_norm
 from k3lit.parallel.parallelize import parallelize
+from k3lit.parallel.strategy import ExpertParallelStrategy, mesh_shape
 
-__all__ = ["parallelize"]
+__all__ = ["ExpertParallelStrategy", "clip_grad_norm_", "mesh_shape", "parallelize", "total_grad_norm"]

@@ -1,0 +1,43 @@
+"""Helpers for tests with real ``torch.distributed`` processes (gloo on CPU, one thread each)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errfile: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, world: int, *args, tmp_path) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; re-raise the first failure's traceback."""
+    err = str(tmp_path / "worker_error")
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args, err), nprocs=world, join=True)
+    except Exception as e:  # noqa: BLE001
+        msgs = [open(f"{err}.{r}").read() for r in range(world) if os.path.exists(f"{err}.{r}")]
+        pytest.fail("worker failed:\n" + ("\n".join(msgs) or str(e)))
