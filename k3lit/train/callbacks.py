@@ -14,41 +14,15 @@ import threading
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from k3lit.train.flops import training_flops
+from k3lit.train.flops import peak_flops, training_flops
 
-__all__ = ["K3ThroughputMonitor", "SlurmRequeue", "peak_flops"]
-
-# Dense (no 2:4 sparsity) peaks per device from the vendors' datasheets, FLOP/s. Lightning's own table lists
-# the *sparse* figures for Hopper (2e15 bf16 for an H200), which would halve every MFU.
-_DENSE_PEAK: dict[str, dict[str, float]] = {
-    "h100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "h200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
-    "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-}
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Dense peak FLOP/s of one ``device`` computing in ``dtype``; None when unknown (e.g. a CPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    for chip, table in _DENSE_PEAK.items():
-        if chip in name:
-            if dtype in (torch.bfloat16, torch.float16):
-                return table["bf16" if dtype == torch.bfloat16 else "fp16"]
-            if dtype == torch.float32:
-                return table["tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"]
-    from lightning.fabric.utilities.throughput import get_available_flops
-
-    return get_available_flops(device, dtype)
-
+__all__ = ["K3ThroughputMonitor", "SlurmRequeue"]
 
 class K3ThroughputMonitor(ThroughputMonitor):
     """Lightning's :class:`ThroughputMonitor` fed with k3lit's FLOPs count and token lengths.

@@ -27,10 +27,12 @@ Per token, for a sequence of ``T`` tokens (``L`` layers, width ``D``, ``H`` head
 
 from __future__ import annotations
 
+import torch
+
 from k3lit.model import ModelConfig
 from k3lit.ops.kda import largest_safe_chunk
 
-__all__ = ["active_matmul_params", "training_flops_per_token", "training_flops", "flops_breakdown"]
+__all__ = ["active_matmul_params", "training_flops_per_token", "training_flops", "flops_breakdown", "peak_flops"]
 
 KDA_CONV_WIDTH = 4  # KimiDeltaAttention's default short-convolution width
 
@@ -100,3 +102,28 @@ def training_flops_per_token(c: ModelConfig, seq_len: int) -> float:
 def training_flops(c: ModelConfig, batch_size: int, seq_len: int) -> float:
     """Model FLOPs of forward + backward of a ``[batch_size, seq_len]`` batch."""
     return batch_size * seq_len * training_flops_per_token(c, seq_len)
+
+
+# Dense (no 2:4 sparsity) peaks per device from the vendors' datasheets, FLOP/s. Lightning's own table lists
+# the *sparse* figures for Hopper (2e15 bf16 for an H200), which would halve every MFU.
+_DENSE_PEAK: dict[str, dict[str, float]] = {
+    "h100": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "h200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of one ``device`` computing in ``dtype``; None when unknown (e.g. a CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for chip, table in _DENSE_PEAK.items():
+        if chip in name:
+            if dtype in (torch.bfloat16, torch.float16):
+                return table["bf16" if dtype == torch.bfloat16 else "fp16"]
+            if dtype == torch.float32:
+                return table["tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"]
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    return get_available_flops(device, dtype)
