@@ -82,9 +82,10 @@ class KimiDeltaAttention(nn.Module):
         q, cq = self.q_conv(self.q_proj(x), None if state is None else state.conv_q)
         k, ck = self.k_conv(self.k_proj(x), None if state is None else state.conv_k)
         v, cv = self.v_conv(self.v_proj(x), None if state is None else state.conv_v)
-        q = F.normalize(q.view(B, T, H, K), dim=-1)  # [B, T, H, K]
-        k = F.normalize(k.view(B, T, H, K), dim=-1)
         v = v.view(B, T, H, K)
+        # L2 norm (autocast runs it in float32), then one dtype for the op's matrix operands
+        q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)  # [B, T, H, K]
+        k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
         beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         g = bounded_log_decay(self.f_up(self.f_down(x)) + self.gate_bias, self.g_min).view(B, T, H, K)
         h0 = None if state is None else state.recurrent
