@@ -117,7 +117,7 @@ def speed_table(rows: list[dict], size: str) -> str:
     for r in rows:
         none = base[(r["residual"], "none")]
         plain = base[("plain", r["policy"])]
-        name = r["residual"] if r["residual"] == "plain" else f"{r['residual']} (S={r['block']})"
+        name = f"{r['residual']} (S={r['block']})" if r["residual"] == "block_attnres" else r["residual"]
         lines.append(
             f"| {name} | {r['policy']} | {r['act_mib']:.0f} | {r['act_mib'] / none['act_mib']:.2f}x | {r['ms']:.1f} | "
             f"{r['ms'] / none['ms']:.2f}x | {r['ms'] / plain['ms']:.3f}x |"
