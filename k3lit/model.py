@@ -158,7 +158,7 @@ class Sublayer(nn.Module):
         super().__init__()
         self.norm = nn.RMSNorm(dim, eps=eps)
         self.op = op
-        self.res_mixer = AttnResMixer(dim) if attn_res else None
+        self.res_mixer = AttnResMixer(dim, eps) if attn_res else None
 
     @property
     def is_token_mixer(self) -> bool:
@@ -198,7 +198,7 @@ class K3LM(nn.Module):
                 channel = SwiGLU(c.dim, c.mlp_hidden)
             sublayers += [Sublayer(mixer, c.dim, c.norm_eps, attn_res), Sublayer(channel, c.dim, c.norm_eps, attn_res)]
         self.sublayers = nn.ModuleList(sublayers)
-        self.final_res_mixer = AttnResMixer(c.dim) if attn_res else None
+        self.final_res_mixer = AttnResMixer(c.dim, c.norm_eps) if attn_res else None
         self.norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
         self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
         self.reset_parameters()
@@ -257,18 +257,19 @@ class K3LM(nn.Module):
         for j, (sub, st) in enumerate(zip(subs, states)):
             if stream.n_in_block == 0:
                 block_subs = subs[j : j + self.block_size]
-                queries = torch.stack([s.res_mixer.query * s.res_mixer.norm_weight for s in block_subs])
-                mix, lse = attn_res_inter_block(stream.blocks, stream.blocks_inv_rms, queries)
+                queries = torch.stack([s.res_mixer.effective_query for s in block_subs])
+                blocks_inv_rms = [inv_rms(b, stream.eps) for b in stream.blocks]
+                mix, lse = attn_res_inter_block(stream.blocks, blocks_inv_rms, queries)
             i = stream.n_in_block
             if stream.partial is None:
                 h = mix[i].to(x.dtype)
             else:
-                q = sub.res_mixer.query * sub.res_mixer.norm_weight
+                q = sub.res_mixer.effective_query
                 h = attn_res_merge(mix[i], lse[i], stream.partial, inv_rms(stream.partial, stream.eps), q)
             out, st = sub(h, st, True)
             stream.add(out)
             new_states.append(st)
-        return self.final_res_mixer(*stream.sources()), new_states
+        return self.final_res_mixer(stream.sources()), new_states
 
     def _forward_train(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward in segments of ``attnres_block_size`` sublayers (one residual block for
@@ -295,7 +296,7 @@ class K3LM(nn.Module):
             blocks += list(out[:closed])
             part = out[closed] if len(out) > closed else None
             n_in = (n_in + len(seg)) % size
-        return self.final_res_mixer(*BlockResidualStream(blocks, size, eps, part, n_in).sources())
+        return self.final_res_mixer(BlockResidualStream(blocks, size, eps, part, n_in).sources())
 
     @torch.no_grad()
     def generate(
@@ -356,8 +357,8 @@ def _plain_segment(subs: list[Sublayer], policy: str, per_sublayer: Any, h: torc
     return h
 
 
-def _read_and_apply(sub: Sublayer, n: int, *srcs_and_inv: torch.Tensor) -> torch.Tensor:
-    return sub(sub.res_mixer(list(srcs_and_inv[:n]), list(srcs_and_inv[n:])))[0]
+def _read_and_apply(sub: Sublayer, *sources: torch.Tensor) -> torch.Tensor:
+    return sub(sub.res_mixer(list(sources)))[0]
 
 
 def _attnres_segment(
@@ -375,11 +376,10 @@ def _attnres_segment(
     blocks = list(state[:-1] if has_partial else state)
     stream = BlockResidualStream(blocks, block_size, eps, state[-1] if has_partial else None, n_in_block)
     for sub in subs:
-        srcs, inv = stream.sources()
         if per_sublayer:
-            stream.add(per_sublayer(policy, partial(_read_and_apply, sub, len(srcs)), *srcs, *inv))
+            stream.add(per_sublayer(policy, partial(_read_and_apply, sub), *stream.sources()))
         else:
-            stream.add(_read_and_apply(sub, len(srcs), *srcs, *inv))
+            stream.add(_read_and_apply(sub, *stream.sources()))
     return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())
 
 

@@ -5,21 +5,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3lit.ops.attn_res import attn_res_mix, inv_rms
+from k3lit.ops.attn_res import attn_res_mix
 
 
 class AttnResMixer(nn.Module):
     """One sublayer's read of the residual sources (arXiv 2603.15031): pseudo-query ``w`` (zero at init,
-    so the first step is the uniform mean) and RMSNorm weight ``γ``. ``forward(sources, inv_rms) -> [B, T, D]``.
+    so the first step is the uniform mean) and RMSNorm weight ``γ``. ``forward(sources) -> [B, T, D]``.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
+        self.eps = eps
         self.query = nn.Parameter(torch.zeros(dim))
         self.norm_weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, sources: list[torch.Tensor], source_inv_rms: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, source_inv_rms, self.query * self.norm_weight)
+    @property
+    def effective_query(self) -> torch.Tensor:
+        """``w ⊙ γ``: the pseudo-query folded with the RMSNorm weight, ``[D]``."""
+        return self.query * self.norm_weight
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        return attn_res_mix(sources, self.effective_query, self.eps)
 
 
 class BlockResidualStream:
@@ -40,15 +46,12 @@ class BlockResidualStream:
     ) -> None:
         self.block_size, self.eps = block_size, eps
         self.blocks = list(blocks)  # [b_0 = embedding, b_1, ...], each [B, T, D]
-        self.blocks_inv_rms = [inv_rms(b, eps) for b in self.blocks]
         self.partial = partial
         self.n_in_block = n_in_block
 
-    def sources(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Current sources and their ``1 / rms``: the block summaries, then the partial sum if any."""
-        if self.partial is None:
-            return self.blocks, self.blocks_inv_rms
-        return self.blocks + [self.partial], self.blocks_inv_rms + [inv_rms(self.partial, self.eps)]
+    def sources(self) -> list[torch.Tensor]:
+        """Current sources: the block summaries, then the partial sum if any."""
+        return self.blocks if self.partial is None else self.blocks + [self.partial]
 
     def add(self, out: torch.Tensor) -> None:
         """Add one sublayer's output; close the block after S outputs."""
@@ -56,5 +59,4 @@ class BlockResidualStream:
         self.n_in_block += 1
         if self.n_in_block == self.block_size:
             self.blocks.append(self.partial)
-            self.blocks_inv_rms.append(inv_rms(self.partial, self.eps))
             self.partial, self.n_in_block = None, 0

@@ -2,8 +2,7 @@
 
 A sublayer l reads ``h_l = Σ_i a_i v_i`` with ``a = softmax_i(w_l^T RMSNorm_l(v_i))`` over its sources v_i
 (block summaries, the running partial sum, or every earlier output for Full AttnRes). Because
-``w^T (γ ⊙ v / rms(v)) = ((w ⊙ γ)^T v) / rms(v)``, each source is stored once with its ``1 / rms`` and no
-normalised copy of any source is kept alive.
+``w^T (γ ⊙ v / rms(v)) = ((w ⊙ γ)^T v) / rms(v)``, no normalised copy of any source is ever formed.
 """
 
 from __future__ import annotations
@@ -16,30 +15,67 @@ def inv_rms(v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return torch.rsqrt(v.to(torch.promote_types(v.dtype, torch.float32)).pow(2).mean(-1) + eps)
 
 
-def attn_res_mix(
-    sources: list[torch.Tensor], source_inv_rms: list[torch.Tensor], query: torch.Tensor
-) -> torch.Tensor:
-    """Softmax-over-depth mix of ``N`` sources in one pass.
+class _AttnResMix(torch.autograd.Function):
+    """Softmax-over-depth mix with a hand-written backward that saves only the ``[N, B, T]`` weights.
+
+    With ``r_i = 1/rms(s_i)``, ``l_i = (s_i·u) r_i``, ``a = softmax(l)``, ``out = Σ a_i s_i`` and upstream ``g``:
+    ``dl_i = a_i (g·s_i - g·out)``; ``ds_i = a_i g + dl_i (r_i u - (s_i·u) r_i^3 s_i / D)``;
+    ``du = Σ_{i,b,t} dl_i r_i s_i``. The sources themselves are alive anyway (they are the residual state), so
+    no float32 copy of any of them is kept for backward, as plain autograd would.
+    """
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, eps: float, *sources: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(sources[0].dtype, torch.float32)
+        u = query.to(acc)
+        r = torch.stack([inv_rms(s, eps) for s in sources])  # [N, B, T]
+        logits = torch.stack([s.to(acc) @ u for s in sources]) * r
+        a = torch.softmax(logits, dim=0)
+        out = torch.zeros(sources[0].shape, dtype=acc, device=sources[0].device)
+        for i, s in enumerate(sources):
+            out.addcmul_(a[i, ..., None], s)
+        ctx.save_for_backward(query, a, r, *sources)
+        return out.to(sources[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        query, a, r, *sources = ctx.saved_tensors
+        acc = a.dtype
+        g = grad.to(acc)
+        u = query.to(acc)
+        D = g.shape[-1]
+        dots = torch.stack([(g * s).sum(-1) for s in sources])  # g·s_i, [N, B, T]
+        g_out = (a * dots).sum(0)  # g·out
+        d_query = torch.zeros_like(u)
+        d_sources = []
+        for i, s in enumerate(sources):
+            s32 = s.to(acc)
+            dl = a[i] * (dots[i] - g_out)  # [B, T]
+            su = s32 @ u
+            coef = (dl * su * r[i].pow(3) / D)[..., None]
+            d_sources.append((a[i, ..., None] * g + (dl * r[i])[..., None] * u - coef * s32).to(s.dtype))
+            d_query += ((dl * r[i])[..., None] * s32).flatten(0, -2).sum(0)
+        return (d_query.to(query.dtype), None, *d_sources)
+
+
+def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Softmax-over-depth mix ``Σ_i softmax_i((u^T s_i) / rms(s_i)) s_i`` of ``N`` sources in one pass.
 
     Args:
-        sources: N tensors ``[B, T, D]`` (any float dtype).
-        source_inv_rms: N tensors ``[B, T]`` from :func:`inv_rms` of each source.
-        query: ``[D]`` pseudo-query already multiplied by the RMSNorm weight (``w ⊙ γ``).
+        sources: N tensors ``[B, T, D]`` of one float dtype.
+        query: ``[D]`` pseudo-query already multiplied by the RMSNorm weight (``u = w ⊙ γ``).
+        eps: the RMSNorm epsilon.
 
     Returns:
         ``[B, T, D]`` in the sources' dtype; logits, softmax and the weighted sum in float32 (float64 for
-        float64 sources).
+        float64 sources). Backward keeps only the ``[N, B, T]`` weights (see :class:`_AttnResMix`).
+
+    Raises:
+        ValueError: no sources.
     """
-    if len(sources) != len(source_inv_rms) or not sources:
-        raise ValueError(f"need one inv_rms per source and at least one source, got {len(sources)}, "
-                         f"{len(source_inv_rms)}")
-    acc = torch.promote_types(sources[0].dtype, torch.float32)
-    logits = torch.stack([(v @ query.to(v.dtype)).to(acc) * r for v, r in zip(sources, source_inv_rms)])
-    a = torch.softmax(logits, dim=0)  # [N, B, T]
-    out = a[0, ..., None] * sources[0].to(acc)
-    for i in range(1, len(sources)):
-        out = out + a[i, ..., None] * sources[i].to(acc)
-    return out.to(sources[0].dtype)
+    if not sources:
+        raise ValueError("attn_res_mix needs at least one source")
+    return _AttnResMix.apply(query, eps, *sources)
 
 
 def attn_res_reference(

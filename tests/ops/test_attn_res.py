@@ -9,7 +9,7 @@ from k3lit.testing import rel_rms
 
 def test_zero_query_is_uniform_mean(seed):
     sources = [torch.randn(2, 5, 8, dtype=torch.float64) for _ in range(4)]
-    out = attn_res_mix(sources, [inv_rms(s) for s in sources], torch.zeros(8, dtype=torch.float64))
+    out = attn_res_mix(sources, torch.zeros(8, dtype=torch.float64))
     assert rel_rms(out, torch.stack(sources).mean(0)) < 1e-14
 
 
@@ -18,7 +18,7 @@ def test_mix_matches_reference_fwd_bwd(seed, n):
     sources = [(torch.randn(2, 5, 16, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(n)]
     w = torch.randn(16, dtype=torch.float64, requires_grad=True)
     gamma = (1 + 0.1 * torch.randn(16, dtype=torch.float64)).requires_grad_()
-    out = attn_res_mix(sources, [inv_rms(s) for s in sources], w * gamma)
+    out = attn_res_mix(sources, w * gamma)
     ref = attn_res_reference(sources, w, gamma)
     assert rel_rms(out, ref) < 1e-13
     dy = torch.randn_like(ref)
@@ -28,10 +28,27 @@ def test_mix_matches_reference_fwd_bwd(seed, n):
         assert rel_rms(a, b) < 1e-12
 
 
-def test_mismatched_sources_raise():
-    s = [torch.randn(1, 2, 4)]
-    with pytest.raises(ValueError, match="one inv_rms per source"):
-        attn_res_mix(s, [], torch.zeros(4))
+def test_no_sources_raise():
+    with pytest.raises(ValueError, match="at least one source"):
+        attn_res_mix([], torch.zeros(4))
+
+
+def test_mix_bf16_matches_float64(seed):
+    sources = [torch.randn(2, 5, 64, dtype=torch.float64) * (i + 1) for i in range(5)]
+    w = torch.randn(64, dtype=torch.float64)
+    bf = [s.bfloat16().requires_grad_() for s in sources]
+    wb = w.clone().requires_grad_()
+    out = attn_res_mix(bf, wb)
+    ref_sources = [s.detach().double().requires_grad_() for s in bf]
+    w64 = w.clone().requires_grad_()
+    ref = attn_res_reference(ref_sources, w64, torch.ones(64, dtype=torch.float64))
+    assert out.dtype == torch.bfloat16 and rel_rms(out, ref) < 5e-3
+    dy = torch.randn_like(ref)
+    (out * dy.bfloat16()).sum().backward()
+    (ref * dy.bfloat16().double()).sum().backward()
+    assert rel_rms(wb.grad, w64.grad) < 5e-3
+    for a, b in zip(bf, ref_sources):
+        assert a.grad.dtype == torch.bfloat16 and rel_rms(a.grad, b.grad) < 5e-3
 
 
 def test_two_phase_equals_one_pass(seed):
@@ -44,6 +61,6 @@ def test_two_phase_equals_one_pass(seed):
     inv = [inv_rms(b) for b in blocks]
     mix, lse = attn_res_inter_block(blocks, inv, queries)
     for s in range(3):
-        assert rel_rms(mix[s], attn_res_mix(blocks, inv, queries[s])) < 1e-13
+        assert rel_rms(mix[s], attn_res_mix(blocks, queries[s])) < 1e-13
         merged = attn_res_merge(mix[s], lse[s], partial, inv_rms(partial), queries[s])
-        assert rel_rms(merged, attn_res_mix(blocks + [partial], inv + [inv_rms(partial)], queries[s])) < 1e-13
+        assert rel_rms(merged, attn_res_mix(blocks + [partial], queries[s])) < 1e-13
