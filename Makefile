@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 RECIPE ?= tiny
 ARGS ?=
+SLURM_ARGS ?=
 # torch and torchvision are pinned together (litdata imports torchvision); override for another CUDA/CPU build.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 PYTEST_ARGS ?=
@@ -10,7 +11,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 RECIPE_PATH := $(if $(wildcard $(RECIPE)),$(RECIPE),recipes/$(RECIPE).yaml)
 
-.PHONY: install train prepare generate test lint bench-cpu clean
+.PHONY: install train prepare generate slurm test lint bench-cpu clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +30,9 @@ prepare: install
 
 generate: install  ## sample from the last checkpoint of RECIPE
 	$(BIN)/k3lit generate --ckpt runs/$(basename $(notdir $(RECIPE_PATH)))/checkpoints/last.ckpt $(ARGS)
+
+slurm: install  ## print an sbatch script for RECIPE: SLURM_ARGS go to `k3lit slurm`, ARGS to `k3lit fit`
+	@$(BIN)/k3lit slurm --config $(RECIPE_PATH) $(SLURM_ARGS) -- $(ARGS)
 
 test: install
 	$(BIN)/pytest -n 2 --timeout 600 $(PYTEST_ARGS)

@@ -101,6 +101,7 @@ down() {
     done
     if [[ -f /run/munge/munged.pid ]] && pid=$(cat /run/munge/munged.pid) && kill -0 "$pid" 2>/dev/null; then
         kill "$pid"
+        for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
     fi
 }
 
