@@ -26,7 +26,11 @@ class K3LitModule(L.LightningModule):
     Logs ``train/loss`` (nats per token), ``val/loss`` and ``val/bpb`` (bits per UTF-8 byte of the held-out
     text, so runs with different tokenizers compare), and per MoE layer ``i``: ``train/max_vio/layer{i}``
     (MaxVio of each training batch), ``val/max_vio/layer{i}`` (MaxVio_global over the validation pass) and
-    ``val/expert_frac/layer{i}/e{j}`` (token fraction per expert).
+    ``val/expert_frac/layer{i}/e{j}`` (token fraction per expert), ``train/router_entropy/layer{i}`` and, in
+    capacity mode, ``train/drop_rate/layer{i}`` and ``train/reroute_rate/layer{i}``. Train MoE metrics are
+    accumulated over every micro-batch of an optimizer step (on every rank) and logged once per step, so
+    ``train/max_vio`` is MaxVio_batch of the whole global batch; loads are recorded by the MoE forward but not
+    by its recomputation inside backward, so nothing is counted twice.
 
     The MoE balancers (quantile bias, sign bias) update once per optimizer step in
     :meth:`on_before_optimizer_step`, after every micro-batch of that step has been routed, so no batch is
@@ -82,24 +86,55 @@ class K3LitModule(L.LightningModule):
             self.log("train/aux_loss", aux)
             loss = loss + aux
         if self.model.moe_layers():
-            self.train_load.update(self._moe_loads())
-            stats = self.train_load.compute()
-            self.train_load.reset()
-            for i, v in enumerate(stats["max_vio"]):
-                self.log(f"train/max_vio/layer{i}", v, prog_bar=(i == 0))
+            self._update_load(self.train_load)  # every micro-batch; logged once per optimizer step
         return loss
+
+    def _update_load(self, metric: ExpertLoad) -> None:
+        """Add the latest forward of every MoE layer (this rank's tokens, recorded outside recomputation)."""
+        moes = self.model.moe_layers()
+        stats = {k: torch.stack([m.last_stats[k] for m in moes]) for k in ("rerouted", "dropped", "entropy")}
+        metric.update(self._moe_loads(), int(moes[0].last_stats["tokens"]), **stats)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         for moe in self.model.moe_layers():
             moe.update_balancer()
+        if self.model.moe_layers() and self.train_load.updates > 0:
+            # MaxVio_batch over the whole optimizer-step batch: all micro-batches, all ranks (synced in compute)
+            stats = self.train_load.compute()
+            self.train_load.reset()
+            self.last_expert_fraction = stats["fraction"].detach().cpu()  # [L_moe, n], for ExpertLoadPlots
+            for i in range(len(stats["max_vio"])):
+                self.log(f"train/max_vio/layer{i}", stats["max_vio"][i], prog_bar=(i == 0))
+                self.log(f"train/router_entropy/layer{i}", stats["entropy"][i])
+                if self.model_config.capacity_factor is not None:
+                    self.log(f"train/drop_rate/layer{i}", stats["drop_rate"][i])
+                    self.log(f"train/reroute_rate/layer{i}", stats["reroute_rate"][i])
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Norm clipping over DTensor gradients on different meshes (expert and dense shards) goes through
+        :func:`k3lit.parallel.clip_grad_norm_`; everything else through Lightning."""
+        from torch.distributed.tensor import DTensor
+
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and any(
+            isinstance(p, DTensor) for p in self.parameters()
+        ):
+            from k3lit.parallel import clip_grad_norm_
+
+            clip_grad_norm_(self.parameters(), float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch)
         self.val_loss.update(loss, weight=batch[:, 1:].numel())
         if self.model.moe_layers():
-            self.val_load.update(self._moe_loads())
+            self._update_load(self.val_load)
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -112,6 +147,7 @@ class K3LitModule(L.LightningModule):
         if self.model.moe_layers():
             stats = self.val_load.compute()
             self.val_load.reset()
+            self.last_val_expert_fraction = stats["fraction"].detach().cpu()
             for i, v in enumerate(stats["max_vio"]):
                 self.log(f"val/max_vio/layer{i}", v)
                 for j, f in enumerate(stats["fraction"][i]):

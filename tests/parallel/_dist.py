@@ -7,6 +7,7 @@ import socket
 import traceback
 from collections.abc import Callable
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,3 +42,19 @@ def run_workers(fn: Callable, world: int, *args, tmp_path) -> None:
     except Exception as e:  # noqa: BLE001
         msgs = [open(f"{err}.{r}").read() for r in range(world) if os.path.exists(f"{err}.{r}")]
         pytest.fail("worker failed:\n" + ("\n".join(msgs) or str(e)))
+
+
+
+class RecordBatches(L.Callback):
+    """Saves every training batch of each rank to ``{dirpath}/batches.{rank}.pt`` at the end of training
+    (importable by the ``k3lit fit`` worker processes through PYTHONPATH)."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.batches.append(batch.detach().cpu().clone())
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        torch.save(self.batches, os.path.join(self.dirpath, f"batches.{trainer.global_rank}.pt"))
