@@ -107,6 +107,33 @@ def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device:
     }
 
 
+def bench_lightning(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, out_dir: str) -> dict:
+    """The same model through ``lightning.Trainer`` + K3LitModule (bf16-mixed) with K3ThroughputMonitor: the
+    tokens/s and MFU that training runs log, read back from the CSV log of the last step."""
+    import csv
+
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from k3lit.train.callbacks import K3ThroughputMonitor
+    from k3lit.train.module import K3LitModule
+
+    data = torch.randint(0, c.vocab_size, ((warmup + steps) * batch, seq + 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    cuda = torch.cuda.is_available()
+    trainer = L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed",
+                        max_steps=warmup + steps,
+                        logger=CSVLogger(out_dir, name="", version=""), log_every_n_steps=1,
+                        callbacks=[K3ThroughputMonitor(window_size=steps)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
+    trainer.fit(K3LitModule(c), loader)
+    with open(Path(out_dir) / "metrics.csv") as f:
+        last = [r for r in csv.DictReader(f) if r.get("train/device/items_per_sec")][-1]
+    return {"tokens_per_s": float(last["train/device/items_per_sec"]),
+            "mfu": float(last["train/device/mfu"]) if last.get("train/device/mfu") else None,
+            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
 def environment() -> dict:
     env = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     try:
@@ -142,6 +169,13 @@ def table(result: dict) -> str:
             continue
         lines.append(f"| {name} | {r['params_M']:.1f} | {r['active_M']:.1f} | {r['gflop_per_token']:.3f} | "
                      f"{r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} | yes |")
+    if result.get("lightning"):
+        r = result["lightning"]
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        mem = f", peak memory {r['peak_mem_GiB']:.1f} GiB" if r.get("peak_mem_GiB") else ""
+        lines += ["", f"The recipe's model trained through `lightning.Trainer` (K3LitModule, `precision=bf16-mixed`, "
+                      f"same batch, random tokens), as logged by `K3ThroughputMonitor` over the last "
+                      f"{result['steps']} steps: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}{mem}."]
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines)
@@ -161,6 +195,7 @@ def main() -> None:
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from_json", help="only write RESULTS.md's Throughput section from this file")
     p.add_argument("--note", default="", help="a sentence to print under the table")
+    p.add_argument("--lightning", help="also train the recipe model through lightning.Trainer, logs in this folder")
     a = p.parse_args()
     if a.from_json:
         from benchmarks.results import write_section
@@ -185,6 +220,9 @@ def main() -> None:
         print(name, json.dumps(r), flush=True)
         if a.device == "cuda":
             torch.cuda.empty_cache()
+    if a.lightning:
+        result["lightning"] = bench_lightning(cfg, batch, seq, a.warmup, a.steps, a.lightning)
+        print("lightning.Trainer + K3ThroughputMonitor:", json.dumps(result["lightning"]), flush=True)
     print(table(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
