@@ -1,0 +1,140 @@
+"""Balancing experiment (CPU-sized, seeded): Quantile Balancing vs sign bias vs auxiliary loss vs none.
+
+    python benchmarks/balance.py [--steps 300] [--json out.json] [--only train|router]
+
+A. ``train``: the same tiny MoE recipe (softmax-attention layers, 16 experts top-2 in every layer, byte
+   tokenizer on the built-in stdlib corpus, seed 1234) trained for ``--steps`` optimizer steps with each
+   balancer; reports validation loss and MaxVio_global (over a 20-batch validation pass), per MoE layer.
+B. ``router``: a fixed skewed synthetic router (per-expert logit offsets ~ N(0, 0.5^2) plus per-token noise
+   N(0, 1), sigmoid scores) with m = 16384 tokens per batch, k = 8, n = 64 / 256 / 1024: the number of bias
+   updates until MaxVio_batch is within 1.5x of the sampling-noise floor (the mean MaxVio of a uniformly
+   random router, k distinct experts per token, at the same m, n, k), for quantile (exact pooled quantile),
+   quantile_hist (1000-bin histogram estimator) and the sign bias (u = 1e-3). Batches are drawn fresh from
+   the same router each update; the bias from batch t routes batch t+1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+
+import torch
+
+from k3lit.ops.routing import (
+    expert_load,
+    max_violation,
+    quantile_bias,
+    quantile_bias_from_histogram,
+    required_bias_histogram,
+    sign_bias_update,
+)
+
+BALANCERS = ("quantile", "aux_free", "aux_loss", "none")
+
+
+# ------------------------------------------------------------------------------------------- A. training
+def train_runs(steps: int, cache: str) -> dict:
+    import lightning as L
+
+    from k3lit.data import K3DataModule
+    from k3lit.model import ModelConfig
+    from k3lit.train.module import K3LitModule
+    from k3lit.train.optim import OptimConfig
+
+    out = {}
+    for bal in BALANCERS:
+        L.seed_everything(1234, verbose=False)
+        dm = K3DataModule(corpus="stdlib", tokenizer="byte", cache_dir=cache, seq_len=128, batch_size=8)
+        cfg = ModelConfig(vocab_size=dm.vocab_size, dim=96, n_layers=2, layer_pattern="A", n_heads=2, head_dim=48,
+                          mlp_hidden=256, n_experts=16, top_k=2, expert_dim=64, first_dense_layers=0,
+                          balancer=bal, residual="plain", aux_loss_coef=1e-2, bias_update_rate=1e-3)
+        module = K3LitModule(cfg, OptimConfig(lr=3e-3, warmup_steps=20))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, val_check_interval=steps,
+                            limit_val_batches=20, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
+        t0 = time.time()
+        trainer.fit(module, dm)
+        m = trainer.callback_metrics
+        out[bal] = {
+            "val_loss": float(m["val/loss"]),
+            "max_vio_global": [float(m[f"val/max_vio/layer{i}"]) for i in range(cfg.n_layers)],
+            "seconds": time.time() - t0,
+        }
+        print(bal, out[bal], flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------ B. synthetic router
+def noise_floor(m: int, n: int, k: int, gen: torch.Generator, draws: int = 8) -> float:
+    """Mean MaxVio of a uniformly random router: every token takes k distinct experts uniformly."""
+    vios = []
+    for _ in range(draws):
+        idx = torch.rand(m, n, generator=gen).topk(k, dim=-1).indices
+        vios.append(max_violation(expert_load(idx, n), k, m).item())
+    return sum(vios) / len(vios)
+
+
+def router_runs(m: int = 16384, k: int = 8, ns: tuple[int, ...] = (64, 256, 1024), max_updates: int = 1500) -> dict:
+    out = {}
+    for n in ns:
+        gen = torch.Generator().manual_seed(n)
+        offsets = torch.randn(n, generator=gen) * 0.5  # the skew: some experts are preferred by everyone
+
+        def batch(offsets: torch.Tensor = offsets, gen: torch.Generator = gen, n: int = n) -> torch.Tensor:
+            return torch.sigmoid(offsets + torch.randn(m, n, generator=gen))
+
+        floor = noise_floor(m, n, k, gen)
+        res = {"noise_floor": floor, "target": 1.5 * floor}
+        for method in ("quantile", "quantile_hist", "sign"):
+            bias = torch.zeros(n)
+            reached, first_vio = None, None
+            for update in range(max_updates + 1):
+                s = batch()
+                idx = (s + bias).topk(k, dim=-1).indices
+                vio = max_violation(expert_load(idx, n), k, m).item()
+                first_vio = vio if first_vio is None else first_vio
+                if vio <= 1.5 * floor:
+                    reached = update
+                    break
+                if method == "quantile":
+                    bias = quantile_bias(s, bias, k)
+                elif method == "quantile_hist":
+                    lo, hi = bias.min() - 1, bias.max() + 1
+                    bias = quantile_bias_from_histogram(required_bias_histogram(s, bias, k, lo, hi, 1000), lo, hi, k)
+                else:
+                    bias = sign_bias_update(bias, expert_load(idx, n), 1e-3)
+            res[method] = {"updates": reached, "max_vio_at_start": first_vio, "last_max_vio": vio}
+            print(n, method, res[method], f"floor={floor:.4f}", flush=True)
+        out[n] = res
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--max-updates", type=int, default=1500)
+    ap.add_argument("--only", choices=("train", "router"), default=None)
+    ap.add_argument("--json", type=str, default=None)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+           "cpu_threads": torch.get_num_threads()}
+    t0 = time.time()
+    if a.only in (None, "router"):
+        out["router"] = router_runs(max_updates=a.max_updates)
+    if a.only in (None, "train"):
+        with tempfile.TemporaryDirectory() as cache:
+            out["train"] = train_runs(a.steps, cache)
+    out["seconds"] = time.time() - t0
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""MoE on one GPU: grouped-matmul experts vs a per-expert loop, and the cost of balancing.
+
+    python benchmarks/moe.py [--tokens 16384] [--dim 2048] [--experts 64] [--top-k 8] [--expert-dim 1024]
+                             [--json out.json]
+
+1. Experts alone (tokens already sorted by expert, bf16): ``grouped_mm`` through
+   ``torch.nn.functional.grouped_mm`` vs a Python loop of ``torch.matmul`` over the experts; forward and
+   forward+backward. Correctness first: the two outputs must agree (bf16 tolerance) before any time is shown.
+2. The whole MoE layer (router, routing, dispatch, experts, float32 combine), forward+backward plus the
+   once-per-step ``update_balancer()``, for balancer ``none`` vs ``aux_free`` (sign bias), ``quantile`` (exact
+   pooled quantile) and ``quantile_hist`` (1000-bin histogram); overhead = time / time(none) - 1.
+
+Timing: CUDA events around ``reps`` iterations after ``warmup``, median of ``trials`` trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from k3lit.nn.moe import MoE
+from k3lit.ops.grouped_mm import grouped_mm
+
+
+def timed(fn, warmup: int = 5, reps: int = 20, trials: int = 5) -> float:  # noqa: ANN001
+    """Median milliseconds per call of ``fn``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / reps)
+    return statistics.median(out)
+
+
+def bench_experts(m: int, d: int, f: int, n: int, k: int, dev: str) -> dict:
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = m * k
+    counts = torch.distributions.Multinomial(rows, torch.ones(n)).sample().long()  # near-uniform jagged groups
+    offsets = counts.cumsum(0).to(device=dev, dtype=torch.int32)
+    x = torch.randn(rows, d, device=dev, dtype=torch.bfloat16, generator=g)
+    w1 = (torch.randn(n, d, 2 * f, device=dev, generator=g) * d**-0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(n, f, d, device=dev, generator=g) * f**-0.5).bfloat16().requires_grad_()
+    xg = x.clone().requires_grad_()
+
+    def experts(backend: str) -> torch.Tensor:
+        gate, up = grouped_mm(xg, w1, offsets, backend=backend).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, w2, offsets, backend=backend)
+
+    with torch.no_grad():
+        a, b = experts("native").float(), experts("loop").float()
+    err = ((a - b).norm() / b.norm()).item()
+    assert err < 2e-2, f"grouped_mm native vs loop disagree: rel err {err}"
+    res = {"rel_err_native_vs_loop": err}
+    for backend in ("native", "loop"):
+        with torch.no_grad():
+            res[f"{backend}_fwd_ms"] = timed(lambda b=backend: experts(b))
+
+        def fwd_bwd(b: str = backend) -> None:
+            experts(b).sum().backward()
+            xg.grad = w1.grad = w2.grad = None
+
+        res[f"{backend}_fwd_bwd_ms"] = timed(fwd_bwd)
+    flops = 2 * rows * (d * 2 * f + f * d)
+    res["native_fwd_tflops"] = flops / res["native_fwd_ms"] / 1e9
+    res["speedup_fwd_bwd"] = res["loop_fwd_bwd_ms"] / res["native_fwd_bwd_ms"]
+    return res
+
+
+def bench_layer(m: int, d: int, f: int, n: int, k: int, dev: str, balancers: list[str]) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(1, m, d, device=dev, dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    res = {}
+    for bal in balancers:
+        torch.manual_seed(0)
+        moe = MoE(d, n, k, f, n_shared_experts=0, balancer=bal).to(dev, torch.bfloat16).train()
+        assert moe.expert_bias.dtype == torch.float32
+
+        def step(moe: MoE = moe) -> None:
+            xi = x.detach().requires_grad_()
+            moe(xi).backward(grad)
+            moe.update_balancer()  # once per optimizer step (one micro-batch per step here)
+            for p in moe.parameters():
+                p.grad = None
+
+        res[bal] = timed(step)
+    base = res["none"]
+    return {"ms": res, "overhead_vs_none": {b: res[b] / base - 1 for b in balancers if b != "none"}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--expert-dim", type=int, default=1024)
+    ap.add_argument("--json", type=str, default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/moe.py needs a CUDA device")
+    dev = "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    shape = dict(m=a.tokens, d=a.dim, f=a.expert_dim, n=a.experts, k=a.top_k)
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "shape": shape,
+        "experts": bench_experts(**shape, dev=dev),
+        "layer": bench_layer(**shape, dev=dev, balancers=["none", "aux_free", "quantile", "quantile_hist"]),
+    }
+    for n in (256,):
+        shape_n = {**shape, "n": n}
+        out[f"layer_n{n}"] = bench_layer(**shape_n, dev=dev, balancers=["none", "quantile", "quantile_hist"])
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
