@@ -12,6 +12,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
+# Without CUDA the Triton kernels run under the interpreter. Triton reads the flag when a kernel is decorated,
+# i.e. when k3lit.kernels is first imported, which any test module may do: set it before all of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Keep CPU tests on the two cores CI has, one per xdist worker.
 torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
