@@ -107,6 +107,7 @@ def prepare_main(argv: list[str]) -> None:
     parser.add_class_arguments(K3DataModule, "data")
     for group in ("model", "optim", "trainer"):
         parser.add_argument(f"--{group}", type=dict, default={}, help="ignored (recipes carry it for fit)")
+    parser.add_argument("--seed_everything", type=int | bool | None, default=None, help="ignored (used by fit)")
     cfg = parser.instantiate_classes(parser.parse_args(argv))
     dm: K3DataModule = cfg.data
     dm.prepare_data()

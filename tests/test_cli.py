@@ -157,3 +157,10 @@ def test_checkpoint_carries_its_tokenizer(tmp_path, monkeypatch, capsys):
           "--max_new_tokens", "5"])
     assert capsys.readouterr().out.startswith("def f")
     assert not cache.exists()
+
+
+def test_prepare_subcommand_reads_a_recipe(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(["prepare", "--config", "recipes/tiny.yaml", "--data.tokenizer=byte", f"--data.cache_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "train:" in out and "val:" in out and str(tmp_path) in out
