@@ -1,8 +1,10 @@
-"""Activation-checkpointing policies composed with FSDP2 (2 gloo processes): same loss and gradients as no
-recomputation, and as one process over the whole batch."""
+"""Activation-checkpointing policies composed with FSDP2 and with expert parallelism (2 gloo processes): same
+loss and gradients as no recomputation, bit for bit, and as one process over the whole batch; MoE token
+statistics recorded once per forward, not again by the recomputation."""
 
 import dataclasses
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -29,12 +31,15 @@ def loss_and_grads(model: torch.nn.Module, idx: torch.Tensor) -> tuple[torch.Ten
     return loss.detach(), grads
 
 
-def _worker(rank: int, world: int) -> None:
+def _worker(rank: int, world: int, layout: str) -> None:
     torch.manual_seed(0)
     reference = K3LM(CFG).double()
     idx = torch.randint(0, 64, (2 * world, 17))
     _, single = loss_and_grads(reference, idx)  # one process, whole batch
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    else:  # experts sharded over both ranks, dense parts FSDP over both
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "expert_parallel"))
     local = idx[2 * rank : 2 * rank + 2]
     results = {}
     for policy in ("none", "layer", "block", "selective"):
@@ -42,6 +47,8 @@ def _worker(rank: int, world: int) -> None:
         model.load_state_dict(reference.state_dict())
         parallelize(model, mesh)
         results[policy] = loss_and_grads(model, local)
+        for moe in model.moe_layers():  # recorded in the forward only, not again when recomputed in backward
+            assert moe.pending_tokens == local[:, :-1].numel(), (policy, moe.pending_tokens)
     for policy, (loss, grads) in results.items():
         assert torch.equal(loss, results["none"][0]), policy
         for name, g in grads.items():
@@ -50,5 +57,6 @@ def _worker(rank: int, world: int) -> None:
     assert not {n: e for n, e in errs.items() if e > 1e-12}, errs  # FSDP2 averages the two halves' gradients
 
 
-def test_checkpoint_policies_compose_with_fsdp2(tmp_path):
-    run_workers(_worker, 2, tmp_path=tmp_path)
+@pytest.mark.parametrize("layout", ["fsdp", "expert_parallel"])
+def test_checkpoint_policies_compose_with_parallelism(tmp_path, layout):
+    run_workers(_worker, 2, layout, tmp_path=tmp_path)
