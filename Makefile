@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 RECIPE_PATH := $(if $(wildcard $(RECIPE)),$(RECIPE),recipes/$(RECIPE).yaml)
 
-.PHONY: install train prepare generate slurm test lint bench-cpu clean
+.PHONY: install train prepare generate slurm test lint clean
 
 install: $(VENV)/.installed
 
