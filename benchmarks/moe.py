@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--expert-dim", type=int, default=1024)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--layer-only", action="store_true", help="skip the experts-alone comparison")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe.py needs a CUDA device")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "shape": shape,
-        "experts": bench_experts(**shape, dev=dev),
+        "experts": None if a.layer_only else bench_experts(**shape, dev=dev),
         "layer": bench_layer(**shape, dev=dev, balancers=["none", "aux_free", "quantile", "quantile_hist"]),
     }
     for n in (256,):

@@ -173,7 +173,12 @@ def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
         ``[n]`` float32 counts (exact below 2^24 per expert). Negative indices (dropped slots of
         :func:`capacity_route`) are not counted.
     """
-    return torch.bincount(expert_idx.reshape(-1) + 1, minlength=n + 1)[1:].float()  # shift: -1 -> bin 0
+    flat = expert_idx.reshape(-1) + 1  # shift: -1 (dropped) -> bin 0
+    if not flat.is_cuda:
+        return torch.bincount(flat, minlength=n + 1)[1:].float()
+    # scatter_add, not bincount: CUDA bincount reads the max index back to the host (a sync per forward)
+    counts = torch.zeros(n + 1, dtype=torch.float32, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))[1:]
 
 
 def max_violation(load: torch.Tensor, k: int, m: int | float) -> torch.Tensor:
@@ -309,7 +314,10 @@ def required_bias_histogram(
         r = alpha[:, None] - s  # [m, n]
         cell = ((r - lo) * (bins / (hi - lo))).floor().clamp_(0, bins - 1).long()
         cell += torch.arange(n, device=s.device) * bins
-        return torch.bincount(cell.reshape(-1), minlength=n * bins).view(n, bins)
+        cell = cell.reshape(-1)
+        # scatter_add, not bincount: CUDA bincount reads the max index back to the host (a sync per forward)
+        counts = torch.zeros(n * bins, dtype=torch.int64, device=s.device)
+        return counts.scatter_add_(0, cell, torch.ones_like(cell)).view(n, bins)
 
 
 def quantile_bias_from_histogram(

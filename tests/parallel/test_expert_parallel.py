@@ -72,6 +72,9 @@ def _model_worker(rank: int, world: int, ep: int) -> None:
     model.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 40, (world, 2, 13), generator=torch.Generator().manual_seed(3))
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("data_parallel", "expert_parallel"))
+    odd = K3LM(ModelConfig(**{**CFG, "n_experts": 3}))
+    with pytest.raises(ValueError, match=rf"n_experts=3 is not divisible by expert_parallel_size={ep}.*data_parallel"):
+        parallelize(odd, mesh)
     parallelize(model, mesh)
     assert all(m.ep_group is not None for m in model.moe_layers())
 
