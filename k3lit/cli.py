@@ -82,7 +82,13 @@ class K3CLI(LightningCLI):
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            callbacks.append(ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, save_top_k=0))
+            # last.ckpt every `val_check_interval` steps (100 when that is a fraction) and at the end. Lightning
+            # writes `last` after validation only when a top-k file was written too, so go by steps instead.
+            every = cfg.get("val_check_interval")
+            every = every if isinstance(every, int) and every > 0 else 100
+            callbacks.append(
+                ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=every)
+            )
         if cfg.get("enable_progress_bar", True) is not False and not any(
             isinstance(c, RichProgressBar) for c in callbacks
         ):

@@ -164,3 +164,23 @@ def test_prepare_subcommand_reads_a_recipe(tmp_path, capsys, monkeypatch):
     main(["prepare", "--config", "recipes/tiny.yaml", "--data.tokenizer=byte", f"--data.cache_dir={tmp_path}"])
     out = capsys.readouterr().out
     assert "train:" in out and "val:" in out and str(tmp_path) in out
+
+
+class CheckpointSeen(Callback):
+    """Records the step stored in last.ckpt while training is still running."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at, self.seen = path, at, None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if trainer.global_step == self.at:
+            self.seen = torch.load(self.path, weights_only=False)["global_step"]
+
+
+def test_default_checkpoint_is_written_during_training(tmp_path, cache, monkeypatch):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    cli = K3CLI(args=fit_args(tmp_path, cache, 8)[1:] + ["--trainer.val_check_interval=3"], run=False)
+    seen = CheckpointSeen(tmp_path / "checkpoints" / "last.ckpt", at=5)
+    cli.trainer.callbacks.append(seen)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert seen.seen == 3  # written at step 3, not only at the end
