@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -69,6 +70,21 @@ class K3CLI(LightningCLI):
         self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"),
                                  compile=bool(self._get(self.config_init, "compile", default=False)))
         self.trainer = self.instantiate_trainer(**self._default_outputs())
+
+    def _parse_ckpt_path(self) -> None:
+        """With ``--ckpt_path <file>``, the checkpoint's own ``model`` and ``optim`` configs replace the recipe's,
+        so the weights always load into the architecture that wrote them."""
+        if not self.config.get("subcommand"):
+            return
+        ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        hparams = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        update = {
+            k: dataclasses.asdict(hparams[k]) for k in ("model", "optim") if dataclasses.is_dataclass(hparams.get(k))
+        }
+        if update:
+            self.config = self.parser.parse_object({self.config.subcommand: update}, self.config)
 
     def _default_outputs(self) -> dict:
         """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured."""
@@ -127,8 +143,6 @@ def _init_args(hparams: dict) -> dict:
 
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
-    import torch
-
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
     parser.add_argument("--ckpt", type=str, required=True, help="path to a .ckpt written by k3lit fit")
     parser.add_argument("--prompt", type=str, default="def ")

@@ -106,6 +106,11 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
           "--max_new_tokens", "20", "--temperature", "0"])
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text) > 4
+    # validate takes the architecture from the checkpoint, not from the recipe (which is larger)
+    main(["validate", "--config", "recipes/tiny.yaml", "--data.tokenizer=byte", f"--data.cache_dir={cache}",
+          "--data.seq_len=64", "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path / 'val'}",
+          "--trainer.enable_progress_bar=false", "--ckpt_path", str(tmp_path / "checkpoints" / "last.ckpt")])
+    assert read_metric(tmp_path / "val", "val/bpb")
 
 
 @pytest.mark.parametrize(
