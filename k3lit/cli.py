@@ -28,7 +28,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import ModelConfig
-from k3lit.train.callbacks import K3ThroughputMonitor, SlurmRequeue
+from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
 
@@ -98,13 +98,10 @@ class K3CLI(LightningCLI):
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            # last.ckpt every `val_check_interval` steps (100 when that is a fraction) and at the end. Lightning
-            # writes `last` after validation only when a top-k file was written too, so go by steps instead.
+            # last.ckpt every `val_check_interval` steps (100 when that is a fraction) and when training ends
             every = cfg.get("val_check_interval")
             every = every if isinstance(every, int) and every > 0 else 100
-            callbacks.append(
-                ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=every)
-            )
+            callbacks.append(LastCheckpoint(root / "checkpoints", every))
         if cfg.get("enable_progress_bar", True) is not False and not any(
             isinstance(c, RichProgressBar) for c in callbacks
         ):

@@ -189,3 +189,4 @@ def test_default_checkpoint_is_written_during_training(tmp_path, cache, monkeypa
     cli.trainer.callbacks.append(seen)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert seen.seen == 3  # written at step 3, not only at the end
+    assert torch.load(seen.path, weights_only=False)["global_step"] == 8  # and at the end (8: no multiple of 3)

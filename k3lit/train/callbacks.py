@@ -171,3 +171,20 @@ class SlurmRequeue(Callback):
                 return path
         # No ModelCheckpoint: Lightning resumes from default_root_dir/hpc_ckpt_<n>.ckpt by itself under SLURM.
         return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt`` every ``every_n_train_steps`` steps **and** when training ends (max_steps, max_time, a stop).
+
+    Lightning's triggers are exclusive: with ``every_n_train_steps`` set nothing is saved at the end of training,
+    and after validation ``last`` is written only next to a top-k file. So the periodic save uses the step trigger
+    and :meth:`on_train_end` writes the final state unless this step is already saved.
+    """
+
+    def __init__(self, dirpath: str, every_n_train_steps: int) -> None:
+        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_train_steps)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # skips when this global step was saved already
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

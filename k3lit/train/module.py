@@ -15,7 +15,6 @@ from k3lit.model import K3LM, ModelConfig
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
-
 # Checkpoints store the two configs as hyper-parameters; allow them under torch.load(weights_only=True).
 torch.serialization.add_safe_globals([ModelConfig, OptimConfig])
 
