@@ -62,7 +62,7 @@ class ExpertLoad(Metric):
     def update(
         self,
         loads: torch.Tensor,
-        n_tokens: int | None = None,
+        n_tokens: int | torch.Tensor | None = None,
         rerouted: torch.Tensor | None = None,
         dropped: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
@@ -71,8 +71,9 @@ class ExpertLoad(Metric):
 
         Args:
             loads: ``[L, n]`` tokens routed to each expert of each layer (e.g. stacked ``MoE.last_load``).
-            n_tokens: tokens in the batch; default ``loads[0].sum() / k`` (every token takes k experts; pass it
-                explicitly in capacity mode, where dropped slots are missing from the loads).
+            n_tokens: tokens in the batch, an int or a 0-d tensor (no host sync); default ``loads[0].sum() / k``
+                (every token takes k experts; pass it explicitly in capacity mode, where dropped slots are
+                missing from the loads).
             rerouted, dropped: ``[L]`` slot counts of the batch (default 0).
             entropy: ``[L]`` mean router entropy of the batch (default 0).
         """
@@ -80,9 +81,9 @@ class ExpertLoad(Metric):
             raise ValueError(f"loads must be [L, n] = [{self.n_layers}, {self.n_experts}], got {tuple(loads.shape)}")
         loads = loads.detach().round().long()
         if n_tokens is None:
-            n_tokens = int(loads[0].sum().item()) // self.top_k
+            n_tokens = loads[0].sum() // self.top_k
         self.load += loads.to(self.load.device)
-        self.tokens += n_tokens
+        self.tokens += torch.as_tensor(n_tokens, device=self.tokens.device).round().long()
         if rerouted is not None:
             self.rerouted += rerouted.detach().round().long().to(self.load.device)
         if dropped is not None:

@@ -92,7 +92,7 @@ class K3LitModule(L.LightningModule):
         """Add the latest forward of every MoE layer (this rank's tokens, recorded outside recomputation)."""
         moes = self.model.moe_layers()
         stats = {k: torch.stack([m.last_stats[k] for m in moes]) for k in ("rerouted", "dropped", "entropy")}
-        metric.update(self._moe_loads(), int(moes[0].last_stats["tokens"]), **stats)
+        metric.update(self._moe_loads(), moes[0].last_stats["tokens"], **stats)  # 0-d tensor: no host sync
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from k3lit.ops.kda import kda, kda_reference
+from k3lit.testing import rel_rms
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
@@ -21,11 +22,6 @@ NAMES = ("q", "k", "v", "g", "beta", "h0")
 TOL_F32 = 2e-5
 # REFERENCE.md: bf16 inputs against a float64 reference, relative RMS error.
 TOL_BF16 = {"o": 0.005, "ht": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "g": 0.02, "beta": 0.02, "h0": 0.008}
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 @pytest.fixture(autouse=True)

@@ -77,7 +77,7 @@ def kda(
         from k3lit.kernels.kda import kda_triton
 
         return kda_triton(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_min=g_min
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_min=g_min, chunk_size=chunk_size
         )
     if not q.is_cuda and g.numel() and (g.min() < g_min - 1e-6 or g.max() > 0):
         raise ValueError(
