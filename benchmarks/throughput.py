@@ -52,15 +52,9 @@ def plain_baseline(c: ModelConfig) -> ModelConfig:
     return dataclasses.replace(base, mlp_hidden=hidden)
 
 
-def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: bool) -> dict:
-    torch.manual_seed(0)
-    model = K3LM(c).to(device)
-    if compile_:
-        for sub in model.sublayers:
-            sub.compile()
-    n_params = sum(p.numel() for p in model.parameters())
+def make_step(model: K3LM, device: str):
+    """One optimizer step as ``trainer.precision=bf16-mixed`` runs it: ``step(tokens [B, T+1]) -> loss``."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
-    x = torch.randint(0, c.vocab_size, (batch, seq + 1), device=device)
     amp = torch.autocast(device_type=device, dtype=torch.bfloat16)
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
@@ -73,6 +67,19 @@ def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device:
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    return step
+
+
+def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: bool) -> dict:
+    torch.manual_seed(0)
+    model = K3LM(c).to(device)
+    if compile_:
+        for sub in model.sublayers:
+            sub.compile()
+    n_params = sum(p.numel() for p in model.parameters())
+    step = make_step(model, device)
+    x = torch.randint(0, c.vocab_size, (batch, seq + 1), device=device)
 
     t0 = time.perf_counter()
     losses = [step(x).item() for _ in range(warmup)]  # the same batch: the loss must fall
