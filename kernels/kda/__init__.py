@@ -17,7 +17,7 @@ import torch
 
 from k3lit.kernels.kda.chunk import chunk_bwd, chunk_fwd, max_chunks
 from k3lit.kernels.kda.fused_recurrent import fused_recurrent_fwd
-from k3lit.ops.kda.validate import check_gate_bound, check_inputs, largest_safe_chunk
+from k3lit.ops.kda.validate import check_halves_bound, check_inputs, largest_safe_halves_chunk
 
 _Opt = torch.Tensor | None
 
@@ -126,24 +126,26 @@ def kda_triton(
             sequences with ``cu_seqlens``); receives a gradient.
         output_final_state: also return the ``[N, H, K, V]`` float32 state after the last token.
         cu_seqlens: ``[N + 1]`` int64 (or int32) cumulative lengths of a packed batch; then B must be 1.
-        g_min: the lower bound the gate guarantees; fixes the chunk size (README.md).
-        chunk_size: override (16, 32 or 64); must be safe for g_min.
+        g_min: the lower bound the gate guarantees; fixes the chunk size (README.md): 64 for
+            g_min >= -5.5, 32 for g_min >= -11.
+        chunk_size: override (32 or 64: two halves of 16 or 32 rows); must be safe for g_min.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
 
     Raises:
         ValueError: mismatched shapes or dtypes, K or V above 256, an unsupported chunk size, or a g_min
-            for which ``exp(±(G - G_r))`` could overflow (``|g_min| * ceil((C - 1) / 2) > 88`` even at C = 16).
+            for which ``exp(±(G - G_r))`` could overflow (``|g_min| * ceil((C / 2 - 1) / 2) > 88``, i.e.
+            g_min < -11 even at C = 32).
 
     The gate is not checked against g_min on the device (that would synchronise); a g below g_min can
     produce inf/nan.
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    C = largest_safe_chunk(g_min) if chunk_size is None else chunk_size
-    if C not in (16, 32, 64):
-        raise ValueError(f"chunk_size must be 16, 32 or 64, got {C}")
-    check_gate_bound(g_min, C)
+    C = largest_safe_halves_chunk(g_min) if chunk_size is None else chunk_size
+    if C not in (32, 64):
+        raise ValueError(f"chunk_size must be 32 or 64, got {C}")
+    check_halves_bound(g_min, C)
     K, V = q.shape[-1], v.shape[-1]
     if K > 256 or V > 256:
         raise ValueError(f"kda_triton supports K, V <= 256, got K={K}, V={V}")

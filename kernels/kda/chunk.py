@@ -1,12 +1,16 @@
 """Chunked KDA in Triton: forward and backward kernels plus their host launchers.
 
-Every sequence is split into chunks of C tokens (C = 16, 32 or 64, the largest that the gate bound makes
-safe, see README.md). Per chunk and head, with ``G`` the in-chunk cumulative log-decay, ``r = (C - 1) // 2``
-its middle row and ``S`` the state entering the chunk (REFERENCE.md §1)::
+Every sequence is split into chunks of C tokens (C = 64, or 32 for strong gate bounds; README.md). The
+state scans step over whole chunks; inside a chunk every block is a dense ``tl.dot`` on two halves of
+``S = C / 2`` rows. With ``G`` the in-chunk cumulative log-decay, ``S`` the state entering the chunk
+(REFERENCE.md §1) and the halves 0 (rows ``[0, S)``) and 1 (rows ``[S, C)``)::
 
-    A    = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)          dense tl.dot, no diagonal special case
-    Aq   = scale * tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)
-    M    = (I + Diag(beta) A)^-1                                    forward substitution in registers
+    A    = tril(K⊙exp(G) · (K⊙exp(-G))^T, -1)        strictly lower [C, C]; three [S, S] blocks:
+             A00, A11: operands rebased on the half's own middle row r_h = S_h + (S - 1) // 2
+                       (K⊙exp(G - G_r), K⊙exp(G_r - G): |exponent| <= |g_min| * ceil((S - 1) / 2))
+             A10:      rebased on the boundary row b = S - 1 (K1⊙exp(G1 - G_b) and K0⊙exp(G_b - G0), both <= 1)
+    Aq   = scale * tril(Q⊙exp(G) · (K⊙exp(-G))^T)     diagonal included, the same three blocks
+    M    = (I + Diag(beta) A)^-1:   M00, M11 by forward substitution, M10 = -M11 (Diag(beta) A)10 M00
     W    = M Diag(beta) (K⊙exp(G)),   U = M Diag(beta) V
     Delta = U - W S
     O    = scale (Q⊙exp(G)) S + Aq Delta
@@ -23,7 +27,9 @@ Every launcher works on a packed layout ``[1, T_total, H, X]``; a dense ``[B, T]
 with ``cu_seqlens = [0, T, 2T, ...]``. Chunk metadata: ``chunk_idx [NC, 2]`` = (sequence, chunk in the
 sequence) for every chunk, ``chunk_off [N + 1]`` = first global chunk of each sequence. Per-chunk buffers
 (states) are allocated with the static upper bound ``T_total // C + N`` rows so that their shapes never
-depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
+depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that). The ``[T, H, C]`` buffers
+``Aq`` and ``Mi`` hold each token's row of its chunk's matrix; their upper-right ``[S, S]`` block is zero
+by structure and is never written nor read.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def _op(x, F32: tl.constexpr):
 
 @triton.jit
 def _row(x, rows, i):
-    """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
+    """Row ``i`` of a ``[R, X]`` register tile as a ``[X]`` vector (zeros when ``i`` is not a row)."""
     return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
 
 
@@ -61,9 +67,49 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     return i_n, t0, n_valid
 
 
+@triton.jit
+def _chunk_last(G0, G1, rows, n_valid, S: tl.constexpr):
+    """G at the chunk's last valid row (half 0 when the chunk has at most S tokens)."""
+    return tl.where(n_valid > S, _row(G1, rows, n_valid - 1 - S), _row(G0, rows, n_valid - 1))
+
+
+@triton.jit
+def _unit_lower_inv(L, rows):
+    """``(I + L)^-1`` of a strictly lower ``[S, S]`` tile by forward substitution, row by row:
+    ``X_i = e_i - sum_{j<i} L_ij X_j`` (exact: L is strictly lower)."""
+    X = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, L.shape[0]):
+        l_i = _row(L, rows, i)
+        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
+        X = tl.where((rows == i)[:, None], x_i[None, :], X)
+    return X
+
+
+@triton.jit
+def _pair_operands(G0, G1, rows, R: tl.constexpr, S: tl.constexpr):
+    """Rebasing factors of one K block: ``(up0, dn0, up1, dn1, e1b, eb0)``.
+
+    ``up_h = exp(G_h - G_{r_h})`` and ``dn_h = exp(G_{r_h} - G_h)`` rebase half h on its middle row r_h
+    (bounded by exp(|g_min| * ceil((S - 1) / 2))); ``e1b = exp(G1 - G_b)`` and ``eb0 = exp(G_b - G0)``
+    rebase the off-diagonal block on the boundary row b = S - 1 (both <= 1)."""
+    Gr0 = _row(G0, rows, R)
+    Gr1 = _row(G1, rows, R)
+    Gb = _row(G0, rows, S - 1)
+    return (tl.exp(G0 - Gr0[None, :]), tl.exp(Gr0[None, :] - G0), tl.exp(G1 - Gr1[None, :]),
+            tl.exp(Gr1[None, :] - G1), tl.exp(G1 - Gb[None, :]), tl.exp(Gb[None, :] - G0))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_g_halves(g, off0, off1, msk0, msk1, rows, S: tl.constexpr):
+    """In-chunk cumulative log-decay of one K block, as the two halves ``(G0, G1)`` ([S, BK] float32)."""
+    G0 = tl.cumsum(tl.load(g + off0, mask=msk0, other=0.0).to(tl.float32), axis=0)
+    G1 = tl.cumsum(tl.load(g + off1, mask=msk1, other=0.0).to(tl.float32), axis=0)
+    return G0, G1 + _row(G0, rows, S - 1)[None, :]
 
 
 @triton.jit
@@ -72,62 +118,91 @@ def _intra_fwd(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U, and the scan's
-    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G)."""
+    """Per (chunk, head): G = cumsum(g), Aq (scaled), M = (I + Diag(beta) A)^-1, W, U, and the scan's
+    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). All [T, H, *] outputs, rows of half 1 are
+    those of half 0 shifted by S tokens."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    R: tl.constexpr = (C - 1) // 2
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
+    S: tl.constexpr = C // 2
+    R: tl.constexpr = (S - 1) // 2
+    rows = tl.arange(0, S)
+    m0 = rows < n_valid
+    m1 = rows + S < n_valid
     tok = t0 + rows
-    A = tl.zeros([C, C], dtype=tl.float32)
-    B_qk = tl.zeros([C, C], dtype=tl.float32)
+    A00 = tl.zeros([S, S], dtype=tl.float32)
+    A11 = tl.zeros([S, S], dtype=tl.float32)
+    A10 = tl.zeros([S, S], dtype=tl.float32)
+    B00 = tl.zeros([S, S], dtype=tl.float32)
+    B11 = tl.zeros([S, S], dtype=tl.float32)
+    B10 = tl.zeros([S, S], dtype=tl.float32)
     for kb in range(0, K, BK):
         cols = kb + tl.arange(0, BK)
-        msk = m_t[:, None] & (cols < K)[None, :]
-        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
-        tl.store(Gc + off, b_G, mask=msk)
-        b_Gr = _row(b_G, rows, R)
-        up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
-        dn = tl.exp(b_Gr[None, :] - b_G)
-        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
-        g_last = _row(b_G, rows, n_valid - 1)
-        tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
-        tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
-        b_kdn = _op(b_k * dn, F32)
-        A += tl.dot(_op(b_k * up, F32), tl.trans(b_kdn))
-        B_qk += tl.dot(_op(b_q * up, F32), tl.trans(b_kdn))
-    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
-    L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
-    B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    tl.store(Aq + offc, B_qk, mask=m_t[:, None])
-    # (I + L)^-1 row by row: X_i = e_i - sum_{j<i} L_ij X_j (L strictly lower, so the loop is exact).
-    X = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, C):
-        l_i = _row(L, rows, i)
-        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
-        X = tl.where((rows == i)[:, None], x_i[None, :], X)
-    tl.store(Mi + offc, X, mask=m_t[:, None])
-    Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
+        off0 = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        off1 = off0 + S * H * K
+        msk0 = m0[:, None] & (cols < K)[None, :]
+        msk1 = m1[:, None] & (cols < K)[None, :]
+        G0, G1 = _load_g_halves(g, off0, off1, msk0, msk1, rows, S)
+        tl.store(Gc + off0, G0, mask=msk0)
+        tl.store(Gc + off1, G1, mask=msk1)
+        k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
+        k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
+        q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
+        q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
+        g_last = _chunk_last(G0, G1, rows, n_valid, S)
+        tl.store(Kd + off0, (k0 * tl.exp(g_last[None, :] - G0)).to(Kd.dtype.element_ty), mask=msk0)
+        tl.store(Kd + off1, (k1 * tl.exp(g_last[None, :] - G1)).to(Kd.dtype.element_ty), mask=msk1)
+        tl.store(Qg + off0, (q0 * tl.exp(G0) * scale).to(Qg.dtype.element_ty), mask=msk0)
+        tl.store(Qg + off1, (q1 * tl.exp(G1) * scale).to(Qg.dtype.element_ty), mask=msk1)
+        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
+        kdn0 = tl.trans(_op(k0 * dn0, F32))
+        kdn1 = tl.trans(_op(k1 * dn1, F32))
+        kb0 = tl.trans(_op(k0 * eb0, F32))
+        A00 += tl.dot(_op(k0 * up0, F32), kdn0)
+        B00 += tl.dot(_op(q0 * up0, F32), kdn0)
+        A11 += tl.dot(_op(k1 * up1, F32), kdn1)
+        B11 += tl.dot(_op(q1 * up1, F32), kdn1)
+        A10 += tl.dot(_op(k1 * e1b, F32), kb0)
+        B10 += tl.dot(_op(q1 * e1b, F32), kb0)
+    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
+    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
+    # Entries above a diagonal block's diagonal may be inf/nan (late row, early column); where selects.
+    lo = rows[:, None] > rows[None, :]
+    le = rows[:, None] >= rows[None, :]
+    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    offc1 = offc0 + S * H * C
+    tl.store(Aq + offc0, (tl.where(le, B00, 0.0) * scale).to(Aq.dtype.element_ty), mask=m0[:, None])
+    tl.store(Aq + offc1, (B10 * scale).to(Aq.dtype.element_ty), mask=m1[:, None])
+    tl.store(Aq + offc1 + S, (tl.where(le, B11, 0.0) * scale).to(Aq.dtype.element_ty), mask=m1[:, None])
+    M00 = _unit_lower_inv(tl.where(lo, A00, 0.0) * beta0[:, None], rows)
+    M11 = _unit_lower_inv(tl.where(lo, A11, 0.0) * beta1[:, None], rows)
+    M10 = -tl.dot(tl.dot(M11, A10 * beta1[:, None]), M00)  # float32 operands (tf32 on the GPU)
+    tl.store(Mi + offc0, M00, mask=m0[:, None])
+    tl.store(Mi + offc1, M10, mask=m1[:, None])
+    tl.store(Mi + offc1 + S, M11, mask=m1[:, None])
+    X00 = _op(M00 * beta0[None, :], F32)  # M Diag(beta), by blocks
+    X10 = _op(M10 * beta0[None, :], F32)
+    X11 = _op(M11 * beta1[None, :], F32)
     for kb in range(0, K, BK):
         cols = kb + tl.arange(0, BK)
-        msk = m_t[:, None] & (cols < K)[None, :]
-        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
-        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
-        b_w = tl.dot(Xb, _op(b_k * tl.exp(b_G), F32))
-        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
+        off0 = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        off1 = off0 + S * H * K
+        msk0 = m0[:, None] & (cols < K)[None, :]
+        msk1 = m1[:, None] & (cols < K)[None, :]
+        G0, G1 = _load_g_halves(g, off0, off1, msk0, msk1, rows, S)
+        kg0 = _op(tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32) * tl.exp(G0), F32)
+        kg1 = _op(tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32) * tl.exp(G1), F32)
+        tl.store(W + off0, tl.dot(X00, kg0).to(W.dtype.element_ty), mask=msk0)
+        tl.store(W + off1, (tl.dot(X10, kg0) + tl.dot(X11, kg1)).to(W.dtype.element_ty), mask=msk1)
     for vb in range(0, V, BV):
         cols = vb + tl.arange(0, BV)
-        msk = m_t[:, None] & (cols < V)[None, :]
-        off = tok[:, None] * (H * V) + i_h * V + cols[None, :]
-        b_v = tl.load(v + off, mask=msk, other=0.0)
-        b_u = tl.dot(Xb, _op(b_v, F32))
-        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
+        off0 = tok[:, None] * (H * V) + i_h * V + cols[None, :]
+        off1 = off0 + S * H * V
+        msk0 = m0[:, None] & (cols < V)[None, :]
+        msk1 = m1[:, None] & (cols < V)[None, :]
+        v0 = _op(tl.load(v + off0, mask=msk0, other=0.0), F32)
+        v1 = _op(tl.load(v + off1, mask=msk1, other=0.0), F32)
+        tl.store(U + off0, tl.dot(X00, v0).to(U.dtype.element_ty), mask=msk0)
+        tl.store(U + off1, (tl.dot(X10, v0) + tl.dot(X11, v1)).to(U.dtype.element_ty), mask=msk1)
 
 
 @triton.jit
@@ -175,6 +250,15 @@ def _scan_fwd(
 
 
 @triton.jit
+def _load_chunk_rows(x, tok, rows, m_t, H: tl.constexpr, C: tl.constexpr, i_h):
+    """A token's row of its chunk's ``[C, C]`` matrix from a ``[T, H, C]`` buffer, the never-written
+    upper-right ``[S, S]`` block read as zeros."""
+    S: tl.constexpr = C // 2
+    m = m_t[:, None] & ((rows[:, None] >= S) | (rows[None, :] < S))
+    return tl.load(x + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m, other=0.0)
+
+
+@triton.jit
 def _out_fwd(
     Qg, Aq, D, h, o, cu, cidx,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -198,8 +282,7 @@ def _out_fwd(
         b_h = tl.load(h + (i_c * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc += tl.dot(_op(b_qg, F32), _op(b_h, F32))
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    b_a = tl.load(Aq + offc, mask=m_t[:, None], other=0.0)
+    b_a = _load_chunk_rows(Aq, tok, rows, m_t, H, C, i_h)
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
     mv = m_t[:, None] & m_v[None, :]
     b_d = tl.load(D + offv, mask=mv, other=0.0)
@@ -251,7 +334,7 @@ def _scan_bwd(
         offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
         mv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + offv, mask=mv, other=0.0)
-        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_a = _load_chunk_rows(Aq, tok, rows, m_t, H, C, i_h)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
         b_dd = tl.dot(tl.trans(_op(b_a, F32)), _op(b_do, F32)) + tl.dot(_op(b_kd, F32), _op(dS, F32))
@@ -265,141 +348,243 @@ def _scan_bwd(
 
 
 @triton.jit
+def _state_grads(h, dh, D, dD, do, hbase, offv0, m0, m1, rk, m_k, H: tl.constexpr, V: tl.constexpr,
+                 S: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr):
+    """For one K block and both halves: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T ([S, BK] each)
+    and dGs = sum_v S ⊙ dS ([BK]), with S, dS the chunk's entering state and leaving-state gradient."""
+    dQg0 = tl.zeros([S, BK], dtype=tl.float32)
+    dQg1 = tl.zeros([S, BK], dtype=tl.float32)
+    dKd0 = tl.zeros([S, BK], dtype=tl.float32)
+    dKd1 = tl.zeros([S, BK], dtype=tl.float32)
+    dW0 = tl.zeros([S, BK], dtype=tl.float32)
+    dW1 = tl.zeros([S, BK], dtype=tl.float32)
+    dGs = tl.zeros([BK], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        m_v = cv < V
+        off0 = offv0 + vb
+        off1 = off0 + S * H * V
+        mv0 = m0[:, None] & m_v[None, :]
+        mv1 = m1[:, None] & m_v[None, :]
+        offs = hbase + rk[:, None] * V + cv[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + offs, mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
+        hT = tl.trans(_op(b_h, F32))
+        dhT = tl.trans(_op(b_dh, F32))
+        dQg0 += tl.dot(_op(tl.load(do + off0, mask=mv0, other=0.0), F32), hT)
+        dQg1 += tl.dot(_op(tl.load(do + off1, mask=mv1, other=0.0), F32), hT)
+        dKd0 += tl.dot(_op(tl.load(D + off0, mask=mv0, other=0.0), F32), dhT)
+        dKd1 += tl.dot(_op(tl.load(D + off1, mask=mv1, other=0.0), F32), dhT)
+        dW0 -= tl.dot(_op(tl.load(dD + off0, mask=mv0, other=0.0), F32), hT)
+        dW1 -= tl.dot(_op(tl.load(dD + off1, mask=mv1, other=0.0), F32), hT)
+        dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    return dQg0, dQg1, dKd0, dKd1, dW0, dW1, dGs
+
+
+@triton.jit
+def _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S: tl.constexpr):
+    """Stored cumulative log-decay of one K block as the halves ``(G0, G1)`` and its last valid row; rows past
+    the chunk's end hold G_last (as the forward's cumsum over zero-padded g did), so that every rebased
+    exponential of a padded row stays within the bound."""
+    G0 = tl.load(Gc + off0, mask=msk0, other=0.0)
+    G1 = tl.load(Gc + off1, mask=msk1, other=0.0)
+    g_last = _chunk_last(G0, G1, rows, n_valid, S)
+    return tl.where(msk0, G0, g_last[None, :]), tl.where(msk1, G1, g_last[None, :]), g_last
+
+
+@triton.jit
 def _main_bwd(
-    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale, plane,
+    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
     """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
 
     Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
-    K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T (kept in the float32
-    scratch ``scr [3, T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G), and A. Then
-    dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
-    rebasing as the forward), dG and dg = reverse cumsum of dG (per channel, so per block).
+    K blocks, two passes. Pass 1: dW = -dDelta S^T, dM += dW X^T with X = Diag(beta) K⊙exp(G), and A.
+    Then dL = -M^T dM M^T (by blocks, M being block lower triangular) and dA = Diag(beta) dL. Pass 2:
+    dQg = dO S^T, dKd = Delta dS^T and dW again (recomputed from the states: fewer bytes than a
+    round trip through memory), dq, dk, the dense pair terms of A and Aq (same rebasing as the forward),
+    dG and dg = reverse cumsum of dG (per channel, so per block). ``Xab`` names the [S, S] block of
+    matrix X with rows in half a and columns in half b.
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    R: tl.constexpr = (C - 1) // 2
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
+    S: tl.constexpr = C // 2
+    R: tl.constexpr = (S - 1) // 2
+    rows = tl.arange(0, S)
+    m0 = rows < n_valid
+    m1 = rows + S < n_valid
     tok = t0 + rows
-    m_lo = rows[:, None] > rows[None, :]
-    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
+    lo = rows[:, None] > rows[None, :]
+    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
+    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
+    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    offc1 = offc0 + S * H * C
+    M00t = tl.trans(tl.load(Mi + offc0, mask=m0[:, None], other=0.0))
+    M10t = tl.trans(tl.load(Mi + offc1, mask=m1[:, None], other=0.0))
+    M11t = tl.trans(tl.load(Mi + offc1 + S, mask=m1[:, None], other=0.0))
     hbase = (i_c * H + i_h) * K * V
-    dAq = tl.zeros([C, C], dtype=tl.float32)
-    dM = tl.zeros([C, C], dtype=tl.float32)
-    A = tl.zeros([C, C], dtype=tl.float32)
-    db = tl.zeros([C], dtype=tl.float32)
+    dAq00 = tl.zeros([S, S], dtype=tl.float32)
+    dAq10 = tl.zeros([S, S], dtype=tl.float32)
+    dAq11 = tl.zeros([S, S], dtype=tl.float32)
+    dM00 = tl.zeros([S, S], dtype=tl.float32)
+    dM10 = tl.zeros([S, S], dtype=tl.float32)
+    dM11 = tl.zeros([S, S], dtype=tl.float32)
+    db0 = tl.zeros([S], dtype=tl.float32)
+    db1 = tl.zeros([S], dtype=tl.float32)
     for vb in range(0, V, BV):
         cv = vb + tl.arange(0, BV)
-        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        mv = m_t[:, None] & (cv < V)[None, :]
-        b_d = tl.load(D + offv, mask=mv, other=0.0)
-        b_dd = tl.load(dD + offv, mask=mv, other=0.0)
-        b_do = tl.load(do + offv, mask=mv, other=0.0)
-        b_v = tl.load(v + offv, mask=mv, other=0.0).to(tl.float32)
-        dAq += tl.dot(_op(b_do, F32), tl.trans(_op(b_d, F32)))
-        b_dy = tl.dot(b_mt, b_dd.to(tl.float32))  # M^T dDelta, float32 operands (tf32 on GPU)
-        tl.store(dv + offv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=mv)
-        db += tl.sum(b_dy * b_v, axis=1)
-        dM += tl.dot(_op(b_dd, F32), tl.trans(_op(b_v * b_beta[:, None], F32)))
+        off0 = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        off1 = off0 + S * H * V
+        mv0 = m0[:, None] & (cv < V)[None, :]
+        mv1 = m1[:, None] & (cv < V)[None, :]
+        D0 = tl.trans(_op(tl.load(D + off0, mask=mv0, other=0.0), F32))
+        D1 = tl.trans(_op(tl.load(D + off1, mask=mv1, other=0.0), F32))
+        do0 = _op(tl.load(do + off0, mask=mv0, other=0.0), F32)
+        do1 = _op(tl.load(do + off1, mask=mv1, other=0.0), F32)
+        dAq00 += tl.dot(do0, D0)
+        dAq10 += tl.dot(do1, D0)
+        dAq11 += tl.dot(do1, D1)
+        dd0 = tl.load(dD + off0, mask=mv0, other=0.0).to(tl.float32)
+        dd1 = tl.load(dD + off1, mask=mv1, other=0.0).to(tl.float32)
+        v0 = tl.load(v + off0, mask=mv0, other=0.0).to(tl.float32)
+        v1 = tl.load(v + off1, mask=mv1, other=0.0).to(tl.float32)
+        dy0 = tl.dot(M00t, dd0) + tl.dot(M10t, dd1)  # M^T dDelta, float32 operands (tf32 on GPU)
+        dy1 = tl.dot(M11t, dd1)
+        tl.store(dv + off0, (dy0 * beta0[:, None]).to(dv.dtype.element_ty), mask=mv0)
+        tl.store(dv + off1, (dy1 * beta1[:, None]).to(dv.dtype.element_ty), mask=mv1)
+        db0 += tl.sum(dy0 * v0, axis=1)
+        db1 += tl.sum(dy1 * v1, axis=1)
+        vb0 = tl.trans(_op(v0 * beta0[:, None], F32))
+        dd1o = _op(dd1, F32)
+        dM00 += tl.dot(_op(dd0, F32), vb0)
+        dM10 += tl.dot(dd1o, vb0)
+        dM11 += tl.dot(dd1o, tl.trans(_op(v1 * beta1[:, None], F32)))
+    A00 = tl.zeros([S, S], dtype=tl.float32)
+    A11 = tl.zeros([S, S], dtype=tl.float32)
+    A10 = tl.zeros([S, S], dtype=tl.float32)
     for kb in range(0, K, BK):
         rk = kb + tl.arange(0, BK)
         m_k = rk < K
-        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        mk = m_t[:, None] & m_k[None, :]
-        dQg = tl.zeros([C, BK], dtype=tl.float32)
-        dKd = tl.zeros([C, BK], dtype=tl.float32)
-        dW = tl.zeros([C, BK], dtype=tl.float32)
-        dGs = tl.zeros([BK], dtype=tl.float32)
+        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        off1 = off0 + S * H * K
+        msk0 = m0[:, None] & m_k[None, :]
+        msk1 = m1[:, None] & m_k[None, :]
+        dW0 = tl.zeros([S, BK], dtype=tl.float32)
+        dW1 = tl.zeros([S, BK], dtype=tl.float32)
         for vb in range(0, V, BV):
             cv = vb + tl.arange(0, BV)
             m_v = cv < V
             offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-            mv = m_t[:, None] & m_v[None, :]
-            offs = hbase + rk[:, None] * V + cv[None, :]
-            m_kv = m_k[:, None] & m_v[None, :]
-            b_h = tl.load(h + offs, mask=m_kv, other=0.0)
-            b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
-            b_d = tl.load(D + offv, mask=mv, other=0.0)
-            b_dd = tl.load(dD + offv, mask=mv, other=0.0)
-            b_do = tl.load(do + offv, mask=mv, other=0.0)
-            dQg += tl.dot(_op(b_do, F32), tl.trans(_op(b_h, F32)))
-            dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
-            dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
-            dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        tl.store(scr + offk, dQg, mask=mk)
-        tl.store(scr + plane + offk, dKd, mask=mk)
-        tl.store(scr + 2 * plane + offk, dW, mask=mk)
-        tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
-        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
-        b_kg = b_k * tl.exp(b_G)
-        dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
-        db += tl.sum(tl.dot(b_mt, dW) * b_kg, axis=1)
-        b_Gr = _row(b_G, rows, R)
-        A += tl.dot(_op(b_k * tl.exp(b_G - b_Gr[None, :]), F32), tl.trans(_op(b_k * tl.exp(b_Gr[None, :] - b_G), F32)))
-    tl.debug_barrier()  # pass 2 reads the scratch this program wrote
-    # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
-    dL = tl.where(m_lo, -tl.dot(tl.dot(b_mt, dM), b_mt), 0.0)
-    db += tl.sum(dL * tl.where(m_lo, A, 0.0), axis=1)
-    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
-    dA = _op(dL * b_beta[:, None], F32)
+            b_h = tl.load(h + hbase + rk[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            hT = tl.trans(_op(b_h, F32))
+            dW0 -= tl.dot(_op(tl.load(dD + offv, mask=m0[:, None] & m_v[None, :], other=0.0), F32), hT)
+            dW1 -= tl.dot(_op(tl.load(dD + offv + S * H * V, mask=m1[:, None] & m_v[None, :], other=0.0), F32), hT)
+        k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
+        k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
+        G0, G1, _ = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
+        kg0 = k0 * tl.exp(G0)
+        kg1 = k1 * tl.exp(G1)
+        X0t = tl.trans(kg0 * beta0[:, None])
+        dM00 += tl.dot(dW0, X0t)
+        dM10 += tl.dot(dW1, X0t)
+        dM11 += tl.dot(dW1, tl.trans(kg1 * beta1[:, None]))
+        db0 += tl.sum((tl.dot(M00t, dW0) + tl.dot(M10t, dW1)) * kg0, axis=1)
+        db1 += tl.sum(tl.dot(M11t, dW1) * kg1, axis=1)
+        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
+        A00 += tl.dot(_op(k0 * up0, F32), tl.trans(_op(k0 * dn0, F32)))
+        A11 += tl.dot(_op(k1 * up1, F32), tl.trans(_op(k1 * dn1, F32)))
+        A10 += tl.dot(_op(k1 * e1b, F32), tl.trans(_op(k0 * eb0, F32)))
+    # M = (I + L)^-1, L = Diag(beta) A: dL = -M^T dM M^T, by blocks (M block lower triangular, so the
+    # strictly lower blocks of dL need only dM00, dM10, dM11).
+    dL00 = tl.where(lo, -tl.dot(tl.dot(M00t, dM00) + tl.dot(M10t, dM10), M00t), 0.0)
+    dL10 = -tl.dot(tl.dot(M11t, dM10), M00t)
+    dL11 = tl.where(lo, -tl.dot(M11t, tl.dot(dM10, M10t) + tl.dot(dM11, M11t)), 0.0)
+    db0 += tl.sum(dL00 * tl.where(lo, A00, 0.0), axis=1)
+    db1 += tl.sum(dL10 * A10 + dL11 * tl.where(lo, A11, 0.0), axis=1)
+    tl.store(dbeta + tok * H + i_h, db0.to(dbeta.dtype.element_ty), mask=m0)
+    tl.store(dbeta + (tok + S) * H + i_h, db1.to(dbeta.dtype.element_ty), mask=m1)
+    dA00 = _op(dL00 * beta0[:, None], F32)
+    dA10 = _op(dL10 * beta1[:, None], F32)
+    dA11 = _op(dL11 * beta1[:, None], F32)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
     # true dg is as small as exp(g_min)).
-    d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
-    dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
+    eye = rows[:, None] == rows[None, :]
+    d_ii0 = tl.sum(tl.where(eye, dAq00, 0.0), axis=1) * scale
+    d_ii1 = tl.sum(tl.where(eye, dAq11, 0.0), axis=1) * scale
+    dAq00 = _op(tl.where(lo, dAq00, 0.0) * scale, F32)
+    dAq11 = _op(tl.where(lo, dAq11, 0.0) * scale, F32)
+    dAq10 = _op(dAq10 * scale, F32)
+    last0 = (rows == n_valid - 1)[:, None]
+    last1 = (rows + S == n_valid - 1)[:, None]
     for kb in range(0, K, BK):
         rk = kb + tl.arange(0, BK)
         m_k = rk < K
-        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        mk = m_t[:, None] & m_k[None, :]
-        dQg = tl.load(scr + offk, mask=mk, other=0.0)
-        dKd = tl.load(scr + plane + offk, mask=mk, other=0.0)
-        dW = tl.load(scr + 2 * plane + offk, mask=mk, other=0.0)
-        dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
-        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
-        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
-        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        e_g = tl.exp(b_G)
-        # W = M X, X = Diag(beta) K⊙exp(G)
-        b_kg = b_k * e_g
-        dKg = tl.dot(b_mt, dW) * b_beta[:, None]
-        b_dk = dKg * e_g
-        dG = dKg * b_kg
+        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        off1 = off0 + S * H * K
+        msk0 = m0[:, None] & m_k[None, :]
+        msk1 = m1[:, None] & m_k[None, :]
+        dQg0, dQg1, dKd0, dKd1, dW0, dW1, dGs = _state_grads(
+            h, dh, D, dD, do, hbase, tok[:, None] * (H * V) + i_h * V + tl.arange(0, BV)[None, :], m0, m1,
+            rk, m_k, H, V, S, BK, BV, F32)
+        q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
+        q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
+        k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
+        k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
+        G0, G1, g_last = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
+        e0 = tl.exp(G0)
+        e1 = tl.exp(G1)
+        # W = M X, X = Diag(beta) K⊙exp(G): dX = M^T dW
+        dKg0 = (tl.dot(M00t, dW0) + tl.dot(M10t, dW1)) * beta0[:, None]
+        dKg1 = tl.dot(M11t, dW1) * beta1[:, None]
         # O's state term scale (Q⊙exp(G)) S
-        b_dq = dQg * e_g * scale
-        dG += b_dq * b_q
-        # dense pair terms of A and Aq (strictly lower)
-        b_Gr = _row(b_G, rows, R)
-        up = tl.exp(b_G - b_Gr[None, :])
-        dn = tl.exp(b_Gr[None, :] - b_G)
-        kup = _op(b_k * up, F32)
-        kdn = _op(b_k * dn, F32)
-        qup = _op(b_q * up, F32)
-        dq_p = tl.dot(dAq, kdn) * up
-        dk_r = tl.dot(dA, kdn) * up
-        dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
-        b_dq += dq_p + d_ii[:, None] * b_k
-        b_dk += dk_r + dk_c + d_ii[:, None] * b_q
-        dG += b_q * dq_p + b_k * (dk_r - dk_c)
+        dq0 = dQg0 * e0 * scale
+        dq1 = dQg1 * e1 * scale
+        dk0 = dKg0 * e0 + d_ii0[:, None] * q0
+        dk1 = dKg1 * e1 + d_ii1[:, None] * q1
+        dG0 = dKg0 * k0 * e0 + dq0 * q0
+        dG1 = dKg1 * k1 * e1 + dq1 * q1
+        dq0 += d_ii0[:, None] * k0
+        dq1 += d_ii1[:, None] * k1
+        # dense pair terms of A and Aq: diagonal blocks rebased on the half's middle row, A10 and Aq10 on b
+        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
+        kdn0 = _op(k0 * dn0, F32)
+        kdn1 = _op(k1 * dn1, F32)
+        kb0 = _op(k0 * eb0, F32)
+        dq_p0 = tl.dot(dAq00, kdn0) * up0
+        dq_p1 = (tl.dot(dAq11, kdn1) * up1) + tl.dot(dAq10, kb0) * e1b
+        dk_r0 = tl.dot(dA00, kdn0) * up0
+        dk_r1 = tl.dot(dA11, kdn1) * up1 + tl.dot(dA10, kb0) * e1b
+        dk_c0 = ((tl.dot(tl.trans(dA00), _op(k0 * up0, F32)) + tl.dot(tl.trans(dAq00), _op(q0 * up0, F32))) * dn0
+                 + (tl.dot(tl.trans(dA10), _op(k1 * e1b, F32)) + tl.dot(tl.trans(dAq10), _op(q1 * e1b, F32))) * eb0)
+        dk_c1 = (tl.dot(tl.trans(dA11), _op(k1 * up1, F32)) + tl.dot(tl.trans(dAq11), _op(q1 * up1, F32))) * dn1
+        dq0 += dq_p0
+        dq1 += dq_p1
+        dk0 += dk_r0 + dk_c0
+        dk1 += dk_r1 + dk_c1
+        dG0 += q0 * dq_p0 + k0 * (dk_r0 - dk_c0)
+        dG1 += q1 * dq_p1 + k1 * (dk_r1 - dk_c1)
         # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
-        e_d = tl.exp(g_last[None, :] - b_G)
-        b_kd = b_k * e_d
-        b_dk += dKd * e_d
-        x_kd = tl.where((rows == n_valid - 1)[:, None], 0.0, dKd * b_kd)
-        dG -= x_kd
-        dGl = dGs * tl.exp(g_last) + tl.sum(x_kd, axis=0)
-        dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
-        b_dg = tl.cumsum(dG, axis=0, reverse=True)
-        tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
-        tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
-        tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
+        ed0 = tl.exp(g_last[None, :] - G0)
+        ed1 = tl.exp(g_last[None, :] - G1)
+        dk0 += dKd0 * ed0
+        dk1 += dKd1 * ed1
+        x0 = tl.where(last0, 0.0, dKd0 * k0 * ed0)
+        x1 = tl.where(last1, 0.0, dKd1 * k1 * ed1)
+        dGl = dGs * tl.exp(g_last) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
+        dG0 += tl.where(last0, dGl[None, :], -x0)
+        dG1 += tl.where(last1, dGl[None, :], -x1)
+        dg1 = tl.cumsum(dG1, axis=0, reverse=True)
+        dg0 = tl.cumsum(dG0, axis=0, reverse=True) + tl.sum(dG1, axis=0)[None, :]
+        tl.store(dq + off0, dq0.to(dq.dtype.element_ty), mask=msk0)
+        tl.store(dq + off1, dq1.to(dq.dtype.element_ty), mask=msk1)
+        tl.store(dk + off0, dk0.to(dk.dtype.element_ty), mask=msk0)
+        tl.store(dk + off1, dk1.to(dk.dtype.element_ty), mask=msk1)
+        tl.store(dg + off0, dg0.to(dg.dtype.element_ty), mask=msk0)
+        tl.store(dg + off1, dg1.to(dg.dtype.element_ty), mask=msk1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -462,7 +647,13 @@ def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``."""
+    """Forward launches. Inputs ``[B, T, H, *]`` contiguous, C in {32, 64}.
+
+    Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``: o ``[B, T, H, V]``, ht ``[N, H, K, V]`` float32 and
+    the tensors the backward needs: Gc ``[B, T, H, K]`` float32, Aq ``[B, T, H, C]`` (work dtype),
+    Mi ``[B, T, H, C]`` float32, W, Kd, Qg ``[B, T, H, K]``, h ``[max_chunks, H, K, V]``, D ``[B, T, H, V]``
+    (work dtype: bfloat16, float32 for float32 inputs).
+    """
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -470,7 +661,7 @@ def chunk_fwd(
     wdt = _work_dtype(q.dtype)
     F32 = _f32_operands(q.dtype)
     Gc = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
-    Aq = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
+    Aq = torch.empty(B, T, H, C, device=q.device, dtype=wdt)
     Mi = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
     Kd = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
@@ -483,15 +674,14 @@ def chunk_fwd(
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
-    BKi = min(64, _pow2(K))
-    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
-                        BV=min(64, _pow2(V)), F32=F32, num_warps=4)
+    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C,
+                        BK=min(64, _pow2(K)), BV=min(64, _pow2(V)), F32=F32, num_warps=4)
     BK, BV, nw = _scan_cfg(K, V)
     _scan_fwd[(triton.cdiv(V, BV), N * H)](
         Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, F32=F32, num_warps=nw)
     BVo = min(64, _pow2(V))
-    _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi,
+    _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
                                           BV=BVo, F32=F32, num_warps=4)
     return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
 
@@ -502,7 +692,11 @@ def chunk_bwd(
     do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None,
     C: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Backward launches. Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dg and dh0 are float32."""
+    """Backward launches (the forward's saved tensors, see :func:`chunk_fwd`).
+
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk, dv, dbeta in their input's dtype, dg ``[B, T, H, K]``
+    and dh0 ``[N, H, K, V]`` float32.
+    """
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -522,10 +716,6 @@ def chunk_bwd(
     _scan_bwd[(triton.cdiv(V, BV), N * H)](
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
-    plane = B * T * H * K
-    scr = torch.empty(3 * plane, device=q.device, dtype=torch.float32)  # dQg, dKd, dW between the two passes
-    dgs = torch.empty(h.shape[0] * H * K, device=q.device, dtype=torch.float32)
-    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale,
-                       plane, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)), BV=min(64, _pow2(V)), F32=F32,
-                       num_warps=4)
+    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
+                       H=H, K=K, V=V, C=C, BK=min(32, _pow2(K)), BV=min(64, _pow2(V)), F32=F32, num_warps=8)
     return dq, dk, dv, dg, dbeta, dh0
