@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,7 +69,8 @@ def main() -> None:
         wall = (time.perf_counter() - t0) / a.steps
     events = prof.key_averages()
     sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    kernel_us = sum(e.self_device_time_total for e in events) / a.steps if device == "cuda" else float("nan")
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # kernel rows, not the ops launching them
+    kernel_us = sum(e.self_device_time_total for e in kernels) / a.steps if kernels else float("nan")
     print(f"config: {a.recipe} {' '.join(a.set)} batch {batch} x {seq}")
     print(f"wall per step {1e3 * wall:.1f} ms; device kernels per step {kernel_us / 1e3:.1f} ms")
     print(events.table(sort_by=sort, row_limit=a.rows, max_name_column_width=60))

@@ -34,6 +34,7 @@ from k3lit.ops.grouped_mm import grouped_mm
 from k3lit.ops.routing import (
     aux_loss,
     capacity_route,
+    expert_counts,
     expert_load,
     quantile_bias,
     quantile_bias_from_histogram,
@@ -257,14 +258,14 @@ class MoE(nn.Module):
         flat = expert_idx.reshape(-1)  # [m k]
         if self.capacity_factor is None:
             order = flat.argsort(stable=True)  # sorted slot -> original slot
-            offsets = torch.bincount(flat, minlength=self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
+            offsets = expert_counts(flat, self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
             ys = self.experts(h[order // k], offsets)  # [m k, D]
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
             return ys[inverse].view(m, k, -1)
         flat = torch.where(flat < 0, self.n_experts, flat)  # dropped slots sort last, into no group
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts]
+        counts = expert_counts(flat, self.n_experts + 1)[: self.n_experts]
         kept = order[: int(counts.sum())]
         ys = self.experts(h[kept // k], counts.cumsum(0).to(torch.int32))
         return ys.new_zeros(m * k, ys.shape[-1]).index_copy(0, kept, ys).view(m, k, -1)

@@ -26,6 +26,7 @@ import math
 import torch
 
 __all__ = [
+    "expert_counts",
     "route",
     "capacity_route",
     "quantile_bias",
@@ -162,6 +163,16 @@ def aux_loss(scores: torch.Tensor, expert_idx: torch.Tensor, n_experts: int, k: 
     return n_experts * (f * p).sum()
 
 
+def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """How many entries of ``idx`` (any shape, int64 values in ``[0, n)``) equal each ``j``: ``[n]`` int64.
+
+    ``scatter_add_`` rather than ``torch.bincount``: the output shape is static (``torch.compile`` traces it)
+    and CUDA's bincount reads the largest index back to the host, a sync in every forward.
+    """
+    flat = idx.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
     """Tokens routed to each expert: ``load_j = |{(i, r): idx_ir = j}|``.
 
@@ -173,12 +184,7 @@ def expert_load(expert_idx: torch.Tensor, n: int) -> torch.Tensor:
         ``[n]`` float32 counts (exact below 2^24 per expert). Negative indices (dropped slots of
         :func:`capacity_route`) are not counted.
     """
-    flat = expert_idx.reshape(-1) + 1  # shift: -1 (dropped) -> bin 0
-    if not flat.is_cuda:
-        return torch.bincount(flat, minlength=n + 1)[1:].float()
-    # scatter_add, not bincount: CUDA bincount reads the max index back to the host (a sync per forward)
-    counts = torch.zeros(n + 1, dtype=torch.float32, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))[1:]
+    return expert_counts(expert_idx + 1, n + 1)[1:].float()  # shift: -1 (dropped) -> bin 0
 
 
 def max_violation(load: torch.Tensor, k: int, m: int | float) -> torch.Tensor:
@@ -212,7 +218,7 @@ def router_entropy(scores: torch.Tensor) -> torch.Tensor:
 def _rank_within_groups(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Position of each element among the elements of its group, in input order: ``[M] int64 -> [M] int64``."""
     order = groups.argsort(stable=True)
-    counts = torch.bincount(groups, minlength=n_groups)
+    counts = expert_counts(groups, n_groups)
     starts = counts.cumsum(0) - counts
     pos = torch.empty_like(order)
     pos[order] = torch.arange(groups.numel(), device=groups.device) - starts[groups[order]]
@@ -266,7 +272,7 @@ def capacity_route(
             pos = _rank_within_groups(exp, n)
             ok = pos < room[exp]
             final[tok[ok], slot[ok]] = exp[ok]
-            room -= torch.bincount(exp[ok], minlength=n)
+            room -= expert_counts(exp[ok], n)
             if not first:
                 rerouted += ok.sum()
             first = False

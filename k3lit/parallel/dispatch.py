@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3lit.ops.routing import expert_counts
+
 __all__ = ["all_to_all", "expert_parallel_apply"]
 
 
@@ -81,7 +83,7 @@ def expert_parallel_apply(
     flat = expert_idx.reshape(-1)
     flat = torch.where(flat < 0, n_experts, flat)  # dropped slots sort last and are sent nowhere
     order = flat.argsort(stable=True)  # sorted slot -> original slot
-    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]  # [n] slots per global expert
+    counts = expert_counts(flat, n_experts + 1)[:n_experts]  # [n] slots per global expert
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)  # recv[s * n_local + e]: from rank s for local e
     recv = recv.view(ep, n_local)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from k3lit.ops import aux_loss, expert_load, max_violation, quantile_bias, route, sign_bias_update
+from k3lit.ops.routing import expert_counts
 
 
 def _scores(m: int, n: int, skew: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,3 +144,11 @@ def test_expert_load_and_max_violation():
     torch.testing.assert_close(max_violation(load, 2, 4), torch.tensor(1.5))
     loads = torch.stack([load, torch.full((5,), 1.6)])
     torch.testing.assert_close(max_violation(loads, 2, 4), torch.tensor([1.5, 0.0]))
+
+
+def test_expert_counts_match_numpy_bincount(seed):
+    idx = torch.randint(0, 37, (513, 3))
+    want = np.bincount(idx.numpy().ravel(), minlength=40)
+    got = expert_counts(idx, 40)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    assert expert_counts(idx[:0], 5).tolist() == [0] * 5
