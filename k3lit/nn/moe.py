@@ -364,9 +364,9 @@ class MoE(nn.Module):
                       if self._pending_hist is None else self._pending_hist.to(device))
             if distributed:  # every rank must agree on the bin range: it derives from the shared bias
                 dist.all_reduce(counts, group=self.process_group)
-            if counts[0].sum() > 0:
-                lo, hi = _hist_range(self.expert_bias)
-                new_bias = quantile_bias_from_histogram(counts, lo, hi, self.top_k)
+            lo, hi = _hist_range(self.expert_bias)
+            new_bias = torch.where(counts[0].sum() > 0,  # no tokens anywhere: keep the bias (and no host sync)
+                                   quantile_bias_from_histogram(counts, lo, hi, self.top_k), self.expert_bias)
         else:
             if self._pending_load is None and not distributed:
                 return
@@ -374,7 +374,8 @@ class MoE(nn.Module):
             if distributed:
                 load = load.clone()
                 dist.all_reduce(load, group=self.process_group)
-            new_bias = sign_bias_update(self.expert_bias, load, self.bias_update_rate) if load.sum() > 0 else None
+            new_bias = torch.where(load.sum() > 0, sign_bias_update(self.expert_bias, load, self.bias_update_rate),
+                                   self.expert_bias)
         self.reset_balancer_stats()
         if new_bias is not None:
             self._set_bias(new_bias)
