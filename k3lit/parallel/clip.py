@@ -2,11 +2,13 @@
 
 Under :func:`k3lit.parallel.parallelize` the dense gradients are sharded over the flattened
 ``data_parallel x expert_parallel`` mesh and the expert gradients over the 2-D ``(data_parallel,
-expert_parallel)`` mesh. ``torch.nn.utils.clip_grad_norm_`` cannot stack norms that live on different meshes,
-and a per-rank norm of the local shards would be wrong: the total norm must add the squares of *every*
-shard exactly once. We group gradients by mesh, let DTensor reduce each group's norm over its own mesh
-(``get_total_norm`` returns a partial DTensor; ``full_tensor`` reduces it over the sharded axes only, never
-over replicated ones), and combine the groups: ``||g|| = (Σ_groups ||g_group||^p)^(1/p)``.
+expert_parallel)`` mesh; with hybrid sharding both meshes get a leading ``data_parallel_replicate`` axis on
+which the gradients are replicated. ``torch.nn.utils.clip_grad_norm_`` cannot stack norms that live on
+different meshes, and a per-rank norm of the local shards would be wrong: the total norm must add the squares
+of *every* shard exactly once. We group gradients by mesh, let DTensor reduce each group's norm over its own
+mesh (``get_total_norm`` returns a partial DTensor; ``full_tensor`` reduces it over the sharded axes only, never
+over replicated ones, so replicas are not counted twice), and combine the groups:
+``||g|| = (Σ_groups ||g_group||^p)^(1/p)``.
 """
 
 from __future__ import annotations

@@ -1,85 +1,123 @@
-"""ExpertParallelStrategy: Lightning's ModelParallelStrategy with a ``data_parallel x expert_parallel`` mesh.
+"""ExpertParallelStrategy: Lightning's ModelParallelStrategy with a ``data_parallel_replicate x data_parallel x
+expert_parallel`` mesh (FSDP2, hybrid sharding and expert parallelism).
 
     trainer = L.Trainer(strategy=ExpertParallelStrategy(expert_parallel_size=2), devices=4)
     k3lit fit --config recipes/tiny.yaml --trainer.strategy=k3lit.parallel.ExpertParallelStrategy \\
         --trainer.strategy.expert_parallel_size=2 --trainer.devices=4
+    # 4 nodes x 8 GPUs: experts over a node's 8 GPUs, dense parts sharded within a node, replicated across nodes
+    ExpertParallelStrategy(data_parallel_replicate_size=4, expert_parallel_size=8)  # data_parallel = 32 / 32 = 1
 
 What it adds to ``ModelParallelStrategy`` (whose FSDP2 setup, materialisation and torch-distributed-checkpoint
 saving/loading it keeps):
 
-* the mesh: named axes ``data_parallel`` and ``expert_parallel`` (``-1`` fills from the world size), checked
-  in ``setup_environment`` with errors that print every factor; it reaches ``LightningModule.configure_model``
-  as ``self.device_mesh``, where :func:`k3lit.parallel.parallelize` applies expert parallelism and FSDP2;
-* data: every one of the ``dp x ep`` ranks reads its own samples (``distributed_sampler_kwargs`` spans the
-  whole world; litdata reads the same rank and world size from ``torch.distributed``);
+* the mesh: named axes ``(data_parallel_replicate, data_parallel, expert_parallel)`` (torchtitan's
+  ``dp_replicate``, ``dp_shard / ep`` and ``ep``; ``expert_parallel`` innermost, so an expert group is
+  consecutive ranks, i.e. GPUs of one node), ``-1`` fills one size from the world size, checked in
+  ``setup_environment`` with errors that print every factor (:func:`mesh_shape`); it reaches
+  ``LightningModule.configure_model`` as ``self.device_mesh``, where :func:`k3lit.parallel.parallelize`
+  applies expert parallelism and FSDP2 (HSDP when ``data_parallel_replicate > 1``);
+* data: every one of the ranks, replicas included, reads its own samples (``distributed_sampler_kwargs``
+  spans the whole world; litdata reads the same rank and world size from ``torch.distributed``);
 * CPU: gloo works -- the parent picks gloo for a CPU root device and only uses device ids for NCCL; we only
   make sure ``barrier`` never passes ``device_ids`` to a non-NCCL backend (see :meth:`barrier`).
 
 Gradient clipping across expert and data shards is :func:`k3lit.parallel.clip_grad_norm_` (the norm of the
 whole model from DTensor gradients on different meshes); :class:`~k3lit.train.module.K3LitModule` uses it.
 Checkpoints are folders written by torch distributed checkpoint; they load into another world size or mesh
-(DTensor resharding), e.g. a 2-rank ``ep=2`` run resumed on one process.
+(DTensor resharding; replicated shards are written once), e.g. a 4-rank HSDP run resumed on 2 or 1 processes.
 """
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
-from k3lit.parallel.parallelize import DP, EP
+from k3lit.parallel.parallelize import DP, EP, REPLICATE
 
 __all__ = ["ExpertParallelStrategy", "mesh_shape"]
 
 
-def mesh_shape(world_size: int, data_parallel_size: int, expert_parallel_size: int) -> tuple[int, int]:
-    """Resolve ``(dp, ep)`` with ``dp · ep = world_size``; one of them may be -1 (fill from the world size).
+def mesh_shape(
+    world_size: int,
+    data_parallel_replicate_size: int = 1,
+    data_parallel_size: int = -1,
+    expert_parallel_size: int = 1,
+    n_experts: int | None = None,
+) -> tuple[int, int, int]:
+    """Resolve ``(replicate, dp, ep)`` with ``replicate · dp · ep = world_size``; one size may be -1 (filled
+    from the world size).
+
+    Args:
+        world_size: processes (nodes x devices per node).
+        data_parallel_replicate_size: model replicas (HSDP groups); 1 = plain FSDP2.
+        data_parallel_size: FSDP2 shards of each expert within a replica.
+        expert_parallel_size: ranks an MoE layer's experts are split over.
+        n_experts: if given, ``expert_parallel_size`` must divide it.
+
+    Returns:
+        ``(data_parallel_replicate, data_parallel, expert_parallel)`` sizes, all >= 1.
 
     Raises:
-        ValueError: both are -1, a size is < 1 (other than -1), or the product is not the world size; the
-            message prints every factor.
+        ValueError: more than one size is -1, a size is < 1 (other than -1), the sizes do not multiply to the
+            world size, or ``expert_parallel_size`` does not divide ``n_experts``; the message prints every
+            factor and what to change.
     """
-    dp, ep = data_parallel_size, expert_parallel_size
-    what = f"world_size={world_size}, data_parallel_size={dp}, expert_parallel_size={ep}"
-    if dp == -1 and ep == -1:
+    sizes = {"data_parallel_replicate_size": data_parallel_replicate_size, "data_parallel_size": data_parallel_size,
+             "expert_parallel_size": expert_parallel_size}
+    what = f"world_size={world_size}, " + ", ".join(f"{k}={v}" for k, v in sizes.items())
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
         raise ValueError(f"ExpertParallelStrategy: at most one of the mesh sizes may be -1 ({what})")
-    for name, v in ((DP, dp), (EP, ep)):
+    for name, v in sizes.items():
         if v != -1 and v < 1:
-            raise ValueError(f"ExpertParallelStrategy: {name} size must be >= 1 or -1 ({what})")
-    if dp == -1:
-        if world_size % ep:
+            raise ValueError(f"ExpertParallelStrategy: {name} must be >= 1 or -1 ({what})")
+    fixed = 1
+    for v in sizes.values():
+        fixed *= v if v != -1 else 1
+    if free:
+        if world_size % fixed:
+            others = " x ".join(f"{k}={v}" for k, v in sizes.items() if v != -1)
             raise ValueError(
-                f"ExpertParallelStrategy: expert_parallel_size={ep} does not divide world_size={world_size} "
-                f"({what}): pick an expert_parallel_size among the divisors of {world_size}"
+                f"ExpertParallelStrategy: {others} = {fixed} does not divide world_size={world_size} ({what}): "
+                f"pick sizes whose product divides {world_size}"
             )
-        dp = world_size // ep
-    elif ep == -1:
-        if world_size % dp:
-            raise ValueError(
-                f"ExpertParallelStrategy: data_parallel_size={dp} does not divide world_size={world_size} ({what})"
-            )
-        ep = world_size // dp
-    if dp * ep != world_size:
+        sizes[free[0]] = world_size // fixed
+    r, dp, ep = sizes.values()
+    if r * dp * ep != world_size:
         raise ValueError(
-            f"ExpertParallelStrategy: data_parallel_size x expert_parallel_size = {dp} x {ep} = {dp * ep} != "
-            f"world_size={world_size} ({what})"
+            f"ExpertParallelStrategy: data_parallel_replicate_size x data_parallel_size x expert_parallel_size = "
+            f"{r} x {dp} x {ep} = {r * dp * ep} != world_size={world_size} ({what}): set one of them to -1 to fill "
+            f"it from the world size"
         )
-    return dp, ep
+    if n_experts is not None and n_experts % ep:
+        raise ValueError(
+            f"ExpertParallelStrategy: expert_parallel_size={ep} does not divide n_experts={n_experts} ({what}): "
+            f"choose an expert_parallel_size that divides both {n_experts} and {world_size}"
+        )
+    return r, dp, ep
 
 
 class ExpertParallelStrategy(ModelParallelStrategy):
-    """FSDP2 + expert parallelism over a ``(data_parallel, expert_parallel)`` device mesh.
+    """FSDP2 (or HSDP) + expert parallelism over a ``(data_parallel_replicate, data_parallel, expert_parallel)``
+    device mesh; sizes multiply to the world size (:func:`mesh_shape`).
 
     Args:
         expert_parallel_size: ranks an MoE layer's experts are split over (must divide the world size and
-            every MoE's expert count); -1 = the whole world.
-        data_parallel_size: FSDP shards of each expert (the dense parameters are sharded over all ranks);
-            -1 (default) = ``world_size / expert_parallel_size``.
+            every MoE's expert count); -1 = what the other two sizes leave.
+        data_parallel_size: FSDP2 shards of each expert within a replica; the dense parameters are sharded
+            over ``data_parallel x expert_parallel`` ranks (the shard group, best one node);
+            -1 (default) = ``world_size / (data_parallel_replicate_size x expert_parallel_size)``.
+        data_parallel_replicate_size: replicas of the sharded model (hybrid sharding: gradients are
+            reduce-scattered within a shard group, then all-reduced across the replicas, e.g. one replica per
+            node); 1 (default) = plain FSDP2 over all ranks.
         save_distributed_checkpoint: True (default): one torch-distributed-checkpoint folder, each rank writes
             its shards; False: full state gathered into one file on rank 0.
         process_group_backend: None picks NCCL on GPU, gloo on CPU.
@@ -90,6 +128,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self,
         expert_parallel_size: int = 1,
         data_parallel_size: int = -1,
+        data_parallel_replicate_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -103,33 +142,32 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         )
         self.expert_parallel_size = expert_parallel_size
         self.data_parallel_size = data_parallel_size
+        self.data_parallel_replicate_size = data_parallel_replicate_size
 
     @override
     def setup_environment(self) -> None:
         # Replaces the parent's (data_parallel, tensor_parallel) mesh by ours; process group setup unchanged.
         self._setup_distributed()
-        dp, ep = mesh_shape(self.world_size, self.data_parallel_size, self.expert_parallel_size)
         assert self.lightning_module is not None
-        for module in self.lightning_module.modules():
-            n = getattr(module, "n_experts", None)
-            if isinstance(n, int) and hasattr(module, "ep_group") and n % ep:
-                raise ValueError(
-                    f"ExpertParallelStrategy: expert_parallel_size={ep} does not divide n_experts={n} "
-                    f"(world_size={self.world_size} = data_parallel_size {dp} x expert_parallel_size {ep}): "
-                    f"choose an expert_parallel_size that divides both {n} and {self.world_size}"
-                )
-        self._device_mesh = init_device_mesh(self.root_device.type, (dp, ep), mesh_dim_names=(DP, EP))
+        # expert_parallel_size must divide every MoE's expert count, i.e. their gcd (a K3LM has a single count)
+        counts = [m.n_experts for m in self.lightning_module.modules() if hasattr(m, "ep_group")]
+        shape = mesh_shape(self.world_size, self.data_parallel_replicate_size, self.data_parallel_size,
+                           self.expert_parallel_size, n_experts=math.gcd(*counts) if counts else None)
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=(REPLICATE, DP, EP))
         self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"ExpertParallelStrategy: device mesh {REPLICATE}={shape[0]} x {DP}={shape[1]} x {EP}={shape[2]}"
+                       f" ({'HSDP' if shape[0] > 1 else 'FSDP2'}; world_size={self.world_size})")
 
     @property
     def mesh(self) -> DeviceMesh:
-        """The ``(data_parallel, expert_parallel)`` mesh (after ``setup_environment``)."""
+        """The ``(data_parallel_replicate, data_parallel, expert_parallel)`` mesh (after ``setup_environment``)."""
         return self.device_mesh
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank (data- and expert-parallel alike) consumes its own tokens: shard data over the world.
+        # Every rank (replicas, data- and expert-parallel ranks alike) consumes its own tokens: shard data over
+        # the world.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override

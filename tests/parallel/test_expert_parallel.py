@@ -1,16 +1,19 @@
-"""Expert parallelism on real gloo processes: forward and gradients equal the single-process model."""
+"""Expert parallelism, FSDP2 and hybrid sharding (HSDP) on real gloo processes: forward and gradients equal
+the single-process model; an HSDP + EP checkpoint loads into one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import MoE
 from k3lit.parallel import clip_grad_norm_, parallelize, total_grad_norm
+from k3lit.parallel.parallelize import DP, EP, REPLICATE
 from tests.parallel._dist import run_workers
 
 CFG = dict(vocab_size=40, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=48,
@@ -64,17 +67,27 @@ def test_moe_expert_parallel_matches_single_process(tmp_path):
     run_workers(_moe_worker, 2, str(tmp_path), tmp_path=tmp_path)
 
 
-def _model_worker(rank: int, world: int, ep: int) -> None:
+def _model_worker(rank: int, world: int, shapes: list[tuple[int, ...]], ckpt: str) -> None:
+    for shape in shapes:
+        _model_parity(rank, world, shape, ckpt)
+
+
+def _model_parity(rank: int, world: int, shape: tuple[int, ...], ckpt: str) -> None:
+    """``shape``: ``(dp, ep)`` or ``(replicate, dp, ep)`` (hybrid sharding); the HSDP + EP model is saved to
+    ``ckpt`` after one SGD step (``want.pt`` beside it: the single-process weights after the same step)."""
     torch.manual_seed(0)
     cfg = ModelConfig(**CFG)
     ref = K3LM(cfg).double()
     model = K3LM(cfg).double()
     model.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 40, (world, 2, 13), generator=torch.Generator().manual_seed(3))
-    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("data_parallel", "expert_parallel"))
-    odd = K3LM(ModelConfig(**{**CFG, "n_experts": 3}))
-    with pytest.raises(ValueError, match=rf"n_experts=3 is not divisible by expert_parallel_size={ep}.*data_parallel"):
-        parallelize(odd, mesh)
+    names = (REPLICATE, DP, EP)[-len(shape):]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    ep = shape[-1]
+    if ep > 1:
+        odd = K3LM(ModelConfig(**{**CFG, "n_experts": 3}))
+        with pytest.raises(ValueError, match=rf"n_experts=3 is not divisible by expert_parallel_size={ep}.*data_par"):
+            parallelize(odd, mesh)
     parallelize(model, mesh)
     assert all(m.ep_group is not None for m in model.moe_layers())
 
@@ -90,9 +103,11 @@ def _model_worker(rank: int, world: int, ep: int) -> None:
     torch.distributed.all_gather(losses, loss.detach())
     torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
     ref_params = dict(ref.named_parameters())
+    replicas = shape[0] if len(shape) == 3 else 1
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=name)
+        _check_layout(name, p, replicas, world)
     # clipping: the total norm over expert and dense shards is the single-process norm
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
     got = clip_grad_norm_(model.parameters(), 1e-3)
@@ -101,8 +116,41 @@ def _model_worker(rank: int, world: int, ep: int) -> None:
                                rtol=1e-4, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=name)
+    if replicas > 1 and ep > 1:  # the HSDP + EP checkpoint that test_hsdp_checkpoint_loads_in_one_process reads
+        torch.optim.SGD(model.parameters(), lr=10.0).step()
+        torch.optim.SGD(ref.parameters(), lr=10.0).step()
+        dcp.save(model.state_dict(), checkpoint_id=ckpt)
+        if rank == 0:
+            torch.save(ref.state_dict(), f"{ckpt}.want.pt")
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
-def test_model_ep_fsdp_matches_single_process(tmp_path, world, ep):
-    run_workers(_model_worker, world, ep, tmp_path=tmp_path)
+def _check_layout(name: str, p: DTensor, replicas: int, world: int) -> None:
+    """Sharded within a shard group (each group holds every element once) and, with ``replicas > 1``, the same
+    local shard on every replica (placement ``Replicate`` on the ``data_parallel_replicate`` axis)."""
+    numel = torch.tensor(p.to_local().numel())
+    torch.distributed.all_reduce(numel)
+    assert numel == replicas * p.numel(), (name, numel, p.numel())
+    if replicas == 1:
+        return
+    assert p.device_mesh.mesh_dim_names[0] == REPLICATE and p.placements[0] == Replicate(), (name, p.placements)
+    assert all(not isinstance(pl, Replicate) for pl in p.placements[1:]) or p.device_mesh.size() == replicas, name
+    group = p.device_mesh.get_group(0)
+    peers = [torch.empty_like(p.to_local()) for _ in range(replicas)]
+    torch.distributed.all_gather(peers, p.to_local().contiguous(), group=group)
+    assert all(torch.equal(x, peers[0]) for x in peers), name
+
+
+@pytest.mark.parametrize("world,shapes", [(2, [(1, 2)]), (4, [(2, 2), (2, 2, 1), (2, 1, 2)])],
+                         ids=["dp1xep2", "dp2xep2+hsdp2x2+hsdp2xep2"])
+def test_model_ep_fsdp_hsdp_matches_single_process(tmp_path, world, shapes):
+    """Forward, gradients, clipping equal one process; 4 processes add hybrid sharding: replicate 2 x shard 2
+    without (2, 2, 1) and with (2, 1, 2) expert parallelism."""
+    run_workers(_model_worker, world, shapes, str(tmp_path / "hsdp"), tmp_path=tmp_path)
+    if world == 4:  # the 4-process HSDP + EP checkpoint loads into one process (no process group)
+        model = K3LM(ModelConfig(**CFG)).double()
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=str(tmp_path / "hsdp"))
+        want = torch.load(tmp_path / "hsdp.want.pt")
+        assert state.keys() == want.keys()
+        for name, t in want.items():
+            torch.testing.assert_close(state[name], t, msg=name)

@@ -1,5 +1,6 @@
-"""`k3lit fit` with ExpertParallelStrategy on 2 CPU processes (gloo): trains, writes a torch-distributed
-checkpoint and heatmaps, feeds each rank its own samples, and resumes on 2 and on 1 process."""
+"""`k3lit fit` with ExpertParallelStrategy on 4 CPU processes (gloo), hybrid sharding (2 replicas) x expert
+parallelism 2: trains, writes a torch-distributed checkpoint and heatmaps, feeds each rank (replicas too) its
+own samples, and resumes on 1 process (DTensor resharding)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ SMALL = [
 ]
 
 
-def fit(root: Path, cache: Path, steps: int, devices: int, ep: int, *extra: str) -> None:
+def fit(root: Path, cache: Path, steps: int, devices: int, ep: int, *extra: str) -> str:
+    """Run `k3lit fit` in a subprocess (Lightning starts the other ranks); return its stdout and stderr."""
     cmd = [sys.executable, "-m", "k3lit.cli", "fit", "--config", "recipes/tiny.yaml", *SMALL,
            f"--data.cache_dir={cache}", f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}",
            f"--trainer.val_check_interval={steps}", f"--trainer.devices={devices}",
@@ -33,6 +35,7 @@ def fit(root: Path, cache: Path, steps: int, devices: int, ep: int, *extra: str)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port())}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout + out.stderr
 
 
 def _port() -> int:
@@ -46,36 +49,42 @@ def metric(root: Path, name: str) -> dict[int, float]:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 
 
-def test_fit_checkpoint_resume_on_2_and_1_process(tmp_path):
+def test_fit_hsdp_checkpoint_resume_on_1_process(tmp_path):
     cache, first = tmp_path / "cache", tmp_path / "first"
-    fit(first, cache, 4, 2, 2, "--trainer.callbacks+=tests.parallel._dist.RecordBatches",
+    log = fit(first, cache, 4, 4, 2, "--trainer.strategy.data_parallel_replicate_size=2",
+        "--trainer.callbacks+=tests.parallel._dist.RecordBatches",
         f"--trainer.callbacks.dirpath={tmp_path}", "--trainer.callbacks+=k3lit.train.expert_plots.ExpertLoadPlots",
         "--trainer.callbacks.every_n_steps=2")
+    assert "device mesh data_parallel_replicate=2 x data_parallel=1 x expert_parallel=2 (HSDP" in log
     loss = metric(first, "train/loss")
     assert sorted(loss) == [0, 1, 2, 3] and all(v == v for v in loss.values())
     assert metric(first, "train/max_vio/layer0") and metric(first, "val/max_vio/layer1")
     assert sorted(p.name for p in (first / "expert_load").glob("*.png")) == ["step0000002.png", "step0000004.png"]
     ckpt = first / "checkpoints" / "last.ckpt"
-    assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2  # one shard file per rank
-    # litdata under the strategy: the two ranks never read the same sample
-    rows = [{tuple(r.tolist()) for b in torch.load(tmp_path / f"batches.{r}.pt") for r in b} for r in range(2)]
-    assert len(rows[0]) == len(rows[1]) == 16 and not rows[0] & rows[1]
+    assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 4  # one shard file per rank
+    # litdata under the strategy: no two ranks (replicas included) read the same sample
+    rows = [{tuple(r.tolist()) for b in torch.load(tmp_path / f"batches.{r}.pt") for r in b} for r in range(4)]
+    assert all(len(r) == 16 for r in rows) and len(set().union(*rows)) == 64
 
-    for devices in (2, 1):  # resume into the same and into a different world size (DTensor resharding)
-        root = tmp_path / f"resumed{devices}"
-        fit(root, cache, 6, devices, devices, f"--ckpt_path={ckpt}")
-        resumed = metric(root, "train/loss")
-        assert sorted(resumed) == [4, 5], resumed
-        # the trained weights were loaded: far below the first loss of the fresh model (about ln 256 = 5.5)
-        assert resumed[4] < loss[0] - 0.3, (loss, resumed)
+    root = tmp_path / "resumed"  # 4 -> 1 process: every shard is read back into one (DTensor resharding)
+    fit(root, cache, 6, 1, 1, f"--ckpt_path={ckpt}")
+    resumed = metric(root, "train/loss")
+    assert sorted(resumed) == [4, 5], resumed
+    # the trained weights were loaded: far below the first loss of the fresh model (about ln 256 = 5.5)
+    assert resumed[4] < loss[0] - 0.3, (loss, resumed)
 
 
 def test_mesh_errors_print_every_factor():
-    assert mesh_shape(8, -1, 2) == (4, 2) and mesh_shape(8, 2, -1) == (2, 4) and mesh_shape(4, 4, 1) == (4, 1)
-    with pytest.raises(ValueError, match=r"expert_parallel_size=3 does not divide world_size=8.*data_parallel_size=-1"):
-        mesh_shape(8, -1, 3)
-    with pytest.raises(ValueError, match=r"2 x 2 = 4 != world_size=8"):
-        mesh_shape(8, 2, 2)
+    assert mesh_shape(8, 1, -1, 2) == (1, 4, 2) and mesh_shape(8, 1, 2, -1) == (1, 2, 4)
+    assert mesh_shape(32, 4, -1, 8, n_experts=128) == (4, 1, 8) and mesh_shape(8, -1, 2, 2) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 = 3 does not divide world_size=8.*data_parallel_si"):
+        mesh_shape(8, 1, -1, 3)
+    with pytest.raises(ValueError, match=r"1 x 2 x 2 = 4 != world_size=8"):
+        mesh_shape(8, 1, 2, 2)
     with pytest.raises(ValueError, match="at most one"):
-        mesh_shape(8, -1, -1)
-    ExpertParallelStrategy(expert_parallel_size=2)  # __init__ only stores settings
+        mesh_shape(8, -1, -1, 2)
+    with pytest.raises(ValueError, match="data_parallel_replicate_size must be >= 1"):
+        mesh_shape(8, 0, -1, 2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=8 does not divide n_experts=12 \(world_size=32"):
+        mesh_shape(32, 4, -1, 8, n_experts=12)
+    ExpertParallelStrategy(expert_parallel_size=2, data_parallel_replicate_size=2)  # __init__ only stores settings
