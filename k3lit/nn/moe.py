@@ -292,7 +292,7 @@ class MoE(nn.Module):
         self.last_load = load
         zero = load.new_zeros(())
         self.last_stats = {  # 0-d float32 tensors: no host sync in the forward
-            "tokens": load.new_tensor(float(scores.shape[0])),
+            "tokens": torch.full((), float(scores.shape[0]), device=load.device),
             "rerouted": zero if rerouted is None else rerouted.float(),
             "dropped": zero if dropped is None else dropped.float(),
             "entropy": router_entropy(scores),
