@@ -29,6 +29,7 @@ from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import ModelConfig
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
+from k3lit.train.checkpoint import checkpoint_hparams, is_sharded_checkpoint, load_full_checkpoint
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
 
@@ -72,14 +73,14 @@ class K3CLI(LightningCLI):
         self.trainer = self.instantiate_trainer(**self._default_outputs())
 
     def _parse_ckpt_path(self) -> None:
-        """With ``--ckpt_path <file>``, the checkpoint's own ``model`` and ``optim`` configs replace the recipe's,
-        so the weights always load into the architecture that wrote them."""
+        """With ``--ckpt_path <file or sharded folder>``, the checkpoint's own ``model`` and ``optim`` configs
+        replace the recipe's, so the weights always load into the architecture that wrote them."""
         if not self.config.get("subcommand"):
             return
         ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
-        if not ckpt_path or not Path(ckpt_path).is_file():
+        if not ckpt_path or not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
             return
-        hparams = torch.load(ckpt_path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+        hparams = checkpoint_hparams(ckpt_path)
         update = {
             k: dataclasses.asdict(hparams[k]) for k in ("model", "optim") if dataclasses.is_dataclass(hparams.get(k))
         }
@@ -141,7 +142,8 @@ def _init_args(hparams: dict) -> dict:
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
-    parser.add_argument("--ckpt", type=str, required=True, help="path to a .ckpt written by k3lit fit")
+    parser.add_argument("--ckpt", type=str, required=True,
+                        help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
     parser.add_argument("--prompt", type=str, default="def ")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -149,9 +151,7 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if not Path(args.ckpt).is_file():
-        raise FileNotFoundError(f"checkpoint {args.ckpt} not found: pass --ckpt runs/<recipe>/checkpoints/last.ckpt")
-    ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+    ckpt = load_full_checkpoint(args.ckpt)
     module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])
     model = module.model.to(args.device).eval()

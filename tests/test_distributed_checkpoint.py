@@ -18,7 +18,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from k3lit.cli import K3CLI
+from k3lit.cli import K3CLI, main
+from k3lit.data.tokenizer import ByteTokenizer
+from k3lit.train.module import K3LitModule
 
 ROOT = Path(__file__).parents[1]
 MODEL = [
@@ -83,13 +85,26 @@ class Capture(Callback):
         self.step = trainer.global_step
 
 
+def _generate_matches_gathered_weights(folder: Path, saved: dict, capsys) -> None:
+    """`k3lit generate --ckpt <sharded folder>` decodes what the gathered weights decode (greedy)."""
+    main(["generate", "--ckpt", str(folder), "--prompt", "line 3 of", "--max_new_tokens", "12", "--temperature", "0"])
+    text = capsys.readouterr().out.removesuffix("\n")
+    hparams = torch.load(folder / "meta.pt", weights_only=False)["hyper_parameters"]
+    module = K3LitModule(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    module.load_state_dict(saved["state_dict"])
+    ids = torch.tensor([list(b"line 3 of")])
+    want = module.model.eval().generate(ids, 12, temperature=0)[0].tolist()
+    assert text == ByteTokenizer().decode(want)
+
+
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus):
+def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, capsys):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     _fit_two_processes(whole, corpus, 8)
     at4 = whole / "checkpoints" / "step=4.ckpt"
     saved = _full(at4, tmp_path)
     assert torch.load(at4 / "meta.pt", weights_only=False)["global_step"] == 4
+    _generate_matches_gathered_weights(at4, saved, capsys)
 
     # 2 -> 2: the same losses and the same final weights as the uninterrupted run.
     _fit_two_processes(resumed, corpus, 8, "--ckpt_path", str(at4))
