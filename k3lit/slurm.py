@@ -9,9 +9,11 @@ and ``--requeue``; the training command ends in ``--ckpt_path last``, so a reque
 checkpoint that :class:`k3lit.train.callbacks.SlurmRequeue` wrote when the signal came.
 
 The layout is checked against the recipe (with the ``--`` overrides applied) before anything is written:
-``trainer.num_nodes`` must equal ``--nodes``, ``trainer.devices`` the tasks per node, and a
-``ModelParallelStrategy``'s ``data_parallel_size * tensor_parallel_size`` the number of tasks. Where the
-recipe leaves them open (``devices: auto``), the rendered command sets them.
+``trainer.num_nodes`` must equal ``--nodes``, ``trainer.devices`` the tasks per node, a
+``ModelParallelStrategy``'s ``data_parallel_size * tensor_parallel_size`` the number of tasks, and an
+``ExpertParallelStrategy``'s mesh (replicas x data parallel x expert parallel, :func:`k3lit.parallel.mesh_shape`)
+the number of tasks and ``model.n_experts``. Where the recipe leaves them open (``devices: auto``), the
+rendered command sets them.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _overrides(fit_args: list[str]) -> dict[str, Any]:
 
 
 def _strategy_sizes(strategy: Any) -> tuple[str, Any, Any] | None:
-    """(class name, data_parallel_size, tensor_parallel_size) of a ModelParallelStrategy-like entry."""
+    """(class name, data_parallel_size, tensor_parallel_size) of a ModelParallelStrategy entry."""
     if isinstance(strategy, dict):
         name = str(strategy.get("class_path", ""))
         init = strategy.get("init_args") or {}
@@ -64,8 +66,24 @@ def _strategy_sizes(strategy: Any) -> tuple[str, Any, Any] | None:
     return None
 
 
-def check_layout(trainer: dict[str, Any], nodes: int, tasks_per_node: int) -> list[str]:
+def _check_expert_mesh(init: dict[str, Any], world: int, n_experts: int | None, layout: str) -> None:
+    """An ExpertParallelStrategy's mesh against the job's process count and the model's expert count."""
+    from k3lit.parallel.strategy import mesh_shape
+
+    try:
+        mesh_shape(world, int(init.get("data_parallel_replicate_size", 1)), int(init.get("data_parallel_size", -1)),
+                   int(init.get("expert_parallel_size", 1)), n_experts=n_experts)
+    except ValueError as e:
+        raise LayoutError(f"{e} -- the job has {layout}") from None
+
+
+def check_layout(
+    trainer: dict[str, Any], nodes: int, tasks_per_node: int, n_experts: int | None = None
+) -> list[str]:
     """Check the layout against the resolved ``trainer`` section; return the fit arguments that pin it.
+
+    ``n_experts``: the recipe's ``model.n_experts``, checked against an ``ExpertParallelStrategy``'s
+    ``expert_parallel_size`` (None: not checked).
 
     Raises:
         LayoutError: naming every factor when nodes, tasks per node, devices or mesh sizes disagree.
@@ -89,7 +107,14 @@ def check_layout(trainer: dict[str, Any], nodes: int, tasks_per_node: int) -> li
                               f"{tasks_per_node} tasks per node (srun runs one task per device): make them equal "
                               f"(--gpus_per_node/--tasks_per_node {devices}, or -- --trainer.devices={tasks_per_node})")
     pins.append(f"--trainer.devices={tasks_per_node}")
-    sizes = _strategy_sizes(trainer.get("strategy"))
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, str):  # --trainer.strategy=<class path or name>, default sizes
+        strategy = {"class_path": strategy}
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("ExpertParallelStrategy"):
+        layout = f"{nodes} nodes x {tasks_per_node} tasks = {nodes * tasks_per_node} processes"
+        _check_expert_mesh(strategy.get("init_args") or {}, nodes * tasks_per_node, n_experts, layout)
+        return pins
+    sizes = _strategy_sizes(strategy)
     if sizes:
         name, dp, tp = sizes
         world = nodes * tasks_per_node
@@ -133,16 +158,24 @@ def render(
     fit_args = list(fit_args or [])
     recipe = yaml.safe_load(config.read_text()) or {}
     trainer = dict(recipe.get("trainer") or {})
+    n_experts = (recipe.get("model") or {}).get("n_experts")
     for key, value in _overrides(fit_args).items():
         if key.startswith("trainer.") and key.count(".") == 1:
             trainer[key.split(".", 1)[1]] = value
+        elif key.startswith("trainer.strategy."):  # --trainer.strategy[.init_args].<size>=...
+            strategy = trainer.get("strategy")
+            strategy = dict(strategy) if isinstance(strategy, dict) else {"class_path": str(strategy)}
+            strategy["init_args"] = {**(strategy.get("init_args") or {}), key.rsplit(".", 1)[1]: value}
+            trainer["strategy"] = strategy
+        elif key == "model.n_experts":
+            n_experts = value
     nodes = int(trainer.get("num_nodes") or 1) if nodes is None else nodes
     if tasks_per_node is None:
         devices = trainer.get("devices")
         if not isinstance(devices, int) or devices < 1:
             raise LayoutError(f"the recipe has trainer.devices={devices!r}: pass --gpus_per_node or --tasks_per_node")
         tasks_per_node = devices
-    pins = check_layout(trainer, nodes, tasks_per_node)
+    pins = check_layout(trainer, nodes, tasks_per_node, n_experts if isinstance(n_experts, int) else None)
     if gpus is None:
         gpus = str(trainer.get("accelerator", "auto")) != "cpu"
     options = []

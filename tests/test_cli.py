@@ -1,15 +1,20 @@
 """End to end through the `k3lit` command: recipes parse, fit on the built-in corpus, resume, generate, errors."""
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
 
 from k3lit.cli import K3CLI, main
+from k3lit.model import K3LM, ModelConfig
+from k3lit.parallel import mesh_shape
+from k3lit.train.flops import active_matmul_params
 
 RECIPES = sorted(Path(__file__).parents[1].joinpath("recipes").glob("*.yaml"))
 SMALL = [
@@ -38,12 +43,42 @@ def read_metric(root: Path, name: str) -> dict[int, float]:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 
 
+# (data_parallel_replicate, data_parallel, expert_parallel) of the recipes that train with ExpertParallelStrategy
+MESHES = {"medium": (1, 1, 8), "multinode": (4, 1, 8)}
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_every_recipe_parses_against_the_cli_schema(recipe):
     out = subprocess.run([sys.executable, "-m", "k3lit.cli", "fit", "--config", str(recipe), "--print_config"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "model:" in out.stdout and "layer_pattern" in out.stdout
+    cfg = yaml.safe_load(out.stdout)
+    strategy, trainer = cfg["trainer"]["strategy"], cfg["trainer"]
+    if recipe.stem in MESHES:  # the resolved strategy's mesh fits the recipe's world size and expert count
+        assert strategy["class_path"] == "k3lit.parallel.ExpertParallelStrategy", strategy
+        init = strategy["init_args"]
+        world = trainer["devices"] * trainer["num_nodes"]
+        shape = mesh_shape(world, init["data_parallel_replicate_size"], init["data_parallel_size"],
+                           init["expert_parallel_size"], n_experts=cfg["model"]["n_experts"])
+        assert shape == MESHES[recipe.stem]
+
+
+@pytest.mark.parametrize("recipe", sorted(MESHES))
+def test_cluster_recipe_header_counts_the_model(recipe):
+    """The sizes in the recipe's comment header are the model's (counted on the meta device)."""
+    text = (Path(__file__).parents[1] / "recipes" / f"{recipe}.yaml").read_text()
+    vocab, total, experts, dense, active = re.search(
+        r"counted from the model, vocab (\d+)\): ([\d.]+)B parameters \(([\d.]+)B in experts, ([\d.]+)B dense\), "
+        r"([\d.]+)B active", text.replace("\n# ", " ")).groups()
+    cfg = ModelConfig(**{**yaml.safe_load(text)["model"], "vocab_size": int(vocab)})
+    with torch.device("meta"):
+        model = K3LM(cfg)
+    n_experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    n_total = sum(p.numel() for p in model.parameters())
+    for printed, counted in ((total, n_total), (experts, n_experts), (dense, n_total - n_experts),
+                             (active, active_matmul_params(cfg))):
+        assert abs(float(printed) - counted / 1e9) <= 0.5 * 10 ** -len(printed.split(".")[1]), (printed, counted)
 
 
 def test_fit_on_builtin_corpus_loss_falls_and_writes_outputs(tmp_path, cache, monkeypatch):

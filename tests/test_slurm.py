@@ -77,6 +77,27 @@ def test_rendered_script_has_the_launch_contract():
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
 
+def test_multinode_recipe_renders_hsdp_expert_parallel_job():
+    """4 nodes x 8 tasks = the 32 ranks of the recipe's replicate 4 x data parallel 1 x expert parallel 8 mesh."""
+    multinode = ROOT / "recipes" / "multinode.yaml"
+    text = render(multinode, gpus=True, partition="gpu", time="72:00:00")  # nodes and tasks from the recipe
+    lines = text.splitlines()
+    for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"]:
+        assert line in lines, line
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert "--trainer.num_nodes=4" in srun and "--trainer.devices=8" in srun
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    # pairs of nodes share a replica: data_parallel fills to 2
+    render(multinode, fit_args=["--trainer.strategy.data_parallel_replicate_size=2"])
+    with pytest.raises(LayoutError, match=r"data_parallel_replicate_size=4 x expert_parallel_size=8 = 32 does not "
+                                          r"divide world_size=16 .* 2 nodes x 8 tasks = 16 processes"):
+        render(multinode, nodes=2, fit_args=["--trainer.num_nodes=2"])
+    with pytest.raises(LayoutError, match=r"expert_parallel_size=8 does not divide n_experts=12"):
+        render(multinode, fit_args=["--model.n_experts=12"])
+    with pytest.raises(LayoutError, match=r"expert_parallel_size=3 = 12 does not divide world_size=32"):
+        render(multinode, fit_args=["--trainer.strategy.init_args.expert_parallel_size=3"])
+
+
 # --- real jobs --------------------------------------------------------------------------------------------------------
 
 def _corpus(path: Path) -> Path:
