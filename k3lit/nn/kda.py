@@ -59,9 +59,10 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(dim, inner, bias=False)
         self.k_proj = nn.Linear(dim, inner, bias=False)
         self.v_proj = nn.Linear(dim, inner, bias=False)
-        self.q_conv = ShortConvolution(inner, conv_width)
-        self.k_conv = ShortConvolution(inner, conv_width)
-        self.v_conv = ShortConvolution(inner, conv_width)
+        conv_backend = backend if backend in ("auto", "triton") else "torch"
+        self.q_conv = ShortConvolution(inner, conv_width, conv_backend)
+        self.k_conv = ShortConvolution(inner, conv_width, conv_backend)
+        self.v_conv = ShortConvolution(inner, conv_width, conv_backend)
         self.b_proj = nn.Linear(dim, n_heads, bias=False)
         # Low-rank gate (rank = head_dim) plus a per-channel bias.
         self.f_down = nn.Linear(dim, head_dim, bias=False)

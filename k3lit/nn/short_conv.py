@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3lit.ops.kda import triton_available
+
 
 class ShortConvolution(nn.Module):
     """Causal depthwise 1-D convolution over time followed by SiLU.
@@ -13,19 +15,35 @@ class ShortConvolution(nn.Module):
     Args:
         channels: feature width C.
         width: kernel width W (Kimi Linear uses 4).
+        backend: ``auto`` (the Triton kernel ``k3lit.kernels.short_conv`` on CUDA, ``F.conv1d`` elsewhere),
+            ``triton`` (the kernel wherever Triton runs, e.g. on CPU under ``TRITON_INTERPRET=1``) or ``torch``.
+            With a decoding state the ``F.conv1d`` form always runs (one token at a time).
 
     ``forward(x [B, T, C], state [B, C, W - 1] | None) -> (y [B, T, C], new_state [B, C, W - 1])``: the
     state holds the last W - 1 inputs, so decoding one token at a time equals one pass over the sequence.
     """
 
-    def __init__(self, channels: int, width: int = 4) -> None:
+    def __init__(self, channels: int, width: int = 4, backend: str = "auto") -> None:
         super().__init__()
-        self.width = width
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"ShortConvolution: backend must be auto, triton or torch, got {backend!r}")
+        self.width, self.backend = width, backend
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
+    def _use_triton(self, x: torch.Tensor, state: torch.Tensor | None) -> bool:
+        if state is not None or self.backend == "torch":
+            return False
+        return self.backend == "triton" or (x.is_cuda and triton_available())
+
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
+        if self._use_triton(x, state):
+            from k3lit.kernels.short_conv import short_conv_silu_triton  # lazy: Triton only where it runs
+
+            y = short_conv_silu_triton(x, self.weight[:, 0].to(x.dtype))
+            tail = F.pad(x[:, -(self.width - 1) :], (0, 0, max(0, self.width - 1 - T), 0))  # [B, W - 1, C]
+            return y, tail.transpose(1, 2)
         x = x.transpose(1, 2)  # [B, C, T]
         past = x.new_zeros(B, C, self.width - 1) if state is None else state.to(x.dtype)
         x = torch.cat([past, x], dim=-1)  # [B, C, W - 1 + T]

@@ -1,0 +1,101 @@
+"""Triton kernels of the causal depthwise short convolution + SiLU of KDA layers, in ``[B, T, C]`` layout.
+
+    pre[b, t, c] = Σ_j w[c, j] · x[b, t - (W-1) + j, c]      (x = 0 before t = 0)      y = silu(pre)
+
+Backward, with ``p = dy · silu'(pre)`` and ``silu'(z) = σ(z) (1 + z (1 - σ(z)))``::
+
+    dx[b, s, c] = Σ_j w[c, j] · p[b, s + (W-1) - j, c]      (p = 0 at t >= T)
+    dw[c, j]    = Σ_{b, t} p[b, t, c] · x[b, t - (W-1) + j, c]
+
+The forward keeps nothing but its inputs; the backward recomputes ``pre`` for the W shifted positions it needs
+(``W²`` tile loads, all but the first of each served from cache) instead of storing a float32 ``pre``. All sums
+in float32. ``dw`` is reduced per program in registers; the ``[programs, C, W]`` partials are summed in torch
+(deterministic, no atomics). The layout needs no transposes: the projections produce ``[B, T, C]`` and the
+KDA op consumes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT = 64  # time steps per program
+BC = 128  # channels per program
+
+
+@triton.jit
+def _pre(x_ptr, w_ptr, b, t, c, T, C, W: tl.constexpr):
+    """``pre`` at times ``t [BT]`` and channels ``c [BC]`` of sequence ``b``, float32 (0 where t >= T)."""
+    acc = tl.zeros((t.shape[0], c.shape[0]), dtype=tl.float32)
+    cmask = c < C
+    for j in tl.static_range(W):
+        src = t - (W - 1) + j
+        m = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
+        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += xv * wj[None, :]
+    return tl.where((t < T)[:, None], acc, 0.0)
+
+
+@triton.jit
+def _fwd(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = pt * BT + tl.arange(0, BT)
+    c = pc * BC + tl.arange(0, BC)
+    pre = _pre(x_ptr, w_ptr, b, t, c, T, C, W)
+    y = pre * tl.sigmoid(pre)
+    m = (t < T)[:, None] & (c < C)[None, :]
+    tl.store(y_ptr + (b * T + t)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dpre(x_ptr, w_ptr, dy_ptr, b, t, c, T, C, W: tl.constexpr):
+    """``dy · silu'(pre)`` at times ``t`` (0 where t >= T), float32."""
+    pre = _pre(x_ptr, w_ptr, b, t, c, T, C, W)
+    m = (t < T)[:, None] & (c < C)[None, :]
+    dy = tl.load(dy_ptr + (b * T + t)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(pre)
+    return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
+def _bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = pt * BT + tl.arange(0, BT)
+    c = pc * BC + tl.arange(0, BC)
+    cmask = c < C
+    m = (s < T)[:, None] & cmask[None, :]
+    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(W):
+        wj = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
+        dx += wj[None, :] * _dpre(x_ptr, w_ptr, dy_ptr, b, s + (W - 1) - j, c, T, C, W)
+    tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+    # dw over this program's own times s: p[s] x[s - (W-1) + j]
+    p = _dpre(x_ptr, w_ptr, dy_ptr, b, s, c, T, C, W)
+    row = (b * tl.num_programs(0) + pt) * C
+    for j in tl.static_range(W):
+        src = s - (W - 1) + j
+        mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
+        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
+        tl.store(dw_part_ptr + (row + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
+
+
+def conv_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, C]`` contiguous, ``w [C, W]`` -> ``y = silu(causal_conv(x, w)) [B, T, C]`` in x's dtype."""
+    B, T, C = x.shape
+    y = torch.empty_like(x)
+    grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+    _fwd[grid](x, w, y, T, C, W=w.shape[1], BT=BT, BC=BC, num_warps=4)
+    return y
+
+
+def conv_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)`` of :func:`conv_fwd`."""
+    B, T, C = x.shape
+    W = w.shape[1]
+    nt = triton.cdiv(T, BT)
+    dx = torch.empty_like(x)
+    dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
+    _bwd[(nt, triton.cdiv(C, BC), B)](x, w, dy, dx, dw_part, T, C, W=W, BT=BT, BC=BC, num_warps=4)
+    return dx, dw_part.sum(0).to(w.dtype)
