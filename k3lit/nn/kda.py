@@ -14,11 +14,9 @@ from k3lit.ops.kda import bounded_log_decay, check_gate_bound, kda, kda_step, la
 
 @dataclass
 class KDAState:
-    """Decoding state of one KDA layer: conv tails ``[B, C, 3]`` for q, k, v and the ``[B, H, K, V]`` f32 state."""
+    """Decoding state of one KDA layer: the q|k|v conv tail ``[B, 3 H K, 3]`` and the ``[B, H, K, V]`` f32 state."""
 
-    conv_q: torch.Tensor
-    conv_k: torch.Tensor
-    conv_v: torch.Tensor
+    conv: torch.Tensor
     recurrent: torch.Tensor
 
 
@@ -26,13 +24,17 @@ class KimiDeltaAttention(nn.Module):
     """KDA token mixer: q/k/v projections with short conv + SiLU, L2-normalised q/k, per-head beta,
     low-rank per-channel gate ``g = g_min * sigmoid(W_up W_down x + bias)``, gated RMS-normed output.
 
+    The projections that read ``x`` are fused into two matrix products: ``qkv_proj`` (q | k | v, one short
+    convolution over all three) and ``down_proj`` (beta logits | decay-gate down | output-gate down).
+
     Args:
         dim: model width D.
         n_heads: heads H.
         head_dim: key and value width K = V per head.
         g_min: lower bound of the log-decay (negative; default -5).
         conv_width: short-convolution width.
-        backend: KDA op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``).
+        backend: KDA op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``); ``auto`` and
+            ``triton`` also select the Triton short convolution.
 
     ``forward(x [B, T, D], state: KDAState | None) -> (y [B, T, D], KDAState | None)``; the state is returned
     when one is passed in or ``return_state=True`` (prefill and decoding).
@@ -56,20 +58,12 @@ class KimiDeltaAttention(nn.Module):
         self.chunk_size = largest_safe_chunk(g_min)
         check_gate_bound(g_min, self.chunk_size)
         inner = n_heads * head_dim
-        self.q_proj = nn.Linear(dim, inner, bias=False)
-        self.k_proj = nn.Linear(dim, inner, bias=False)
-        self.v_proj = nn.Linear(dim, inner, bias=False)
-        conv_backend = backend if backend in ("auto", "triton") else "torch"
-        self.q_conv = ShortConvolution(inner, conv_width, conv_backend)
-        self.k_conv = ShortConvolution(inner, conv_width, conv_backend)
-        self.v_conv = ShortConvolution(inner, conv_width, conv_backend)
-        self.b_proj = nn.Linear(dim, n_heads, bias=False)
-        # Low-rank gate (rank = head_dim) plus a per-channel bias.
-        self.f_down = nn.Linear(dim, head_dim, bias=False)
+        self.qkv_proj = nn.Linear(dim, 3 * inner, bias=False)
+        self.qkv_conv = ShortConvolution(3 * inner, conv_width, backend if backend in ("auto", "triton") else "torch")
+        # beta logits (one per head) | low-rank decay-gate down (rank = head_dim) | low-rank output-gate down
+        self.down_proj = nn.Linear(dim, n_heads + 2 * head_dim, bias=False)
         self.f_up = nn.Linear(head_dim, inner, bias=False)
         self.gate_bias = nn.Parameter(torch.zeros(inner))
-        # Low-rank sigmoid output gate.
-        self.o_down = nn.Linear(dim, head_dim, bias=False)
         self.o_up = nn.Linear(head_dim, inner, bias=True)
         self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, dim, bias=False)
@@ -80,20 +74,19 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         want_state = return_state or state is not None
-        q, cq = self.q_conv(self.q_proj(x), None if state is None else state.conv_q)
-        k, ck = self.k_conv(self.k_proj(x), None if state is None else state.conv_k)
-        v, cv = self.v_conv(self.v_proj(x), None if state is None else state.conv_v)
-        v = v.view(B, T, H, K)
+        qkv, conv = self.qkv_conv(self.qkv_proj(x), None if state is None else state.conv)
+        q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # [B, T, H, K] each
         # L2 norm (autocast runs it in float32), then one dtype for the op's matrix operands
-        q = F.normalize(q.view(B, T, H, K), dim=-1).to(v.dtype)  # [B, T, H, K]
-        k = F.normalize(k.view(B, T, H, K), dim=-1).to(v.dtype)
-        beta = torch.sigmoid(self.b_proj(x).to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
-        g = bounded_log_decay(self.f_up(self.f_down(x)) + self.gate_bias, self.g_min).view(B, T, H, K)
+        q = F.normalize(q, dim=-1).to(v.dtype)
+        k = F.normalize(k, dim=-1).to(v.dtype)
+        b_logit, f_low, o_low = self.down_proj(x).split([H, K, K], dim=-1)
+        beta = torch.sigmoid(b_logit.to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
+        g = bounded_log_decay(self.f_up(f_low) + self.gate_bias, self.g_min).view(B, T, H, K)
         h0 = None if state is None else state.recurrent
         if T == 1 and state is not None:  # decoding: one recurrent step (fused Triton kernel on CUDA)
             o, h = kda_step(q, k, v, g, beta, h0, backend=self.backend)
         else:
-            o, h = kda(q, k, v, g, beta, None, h0, want_state, backend=self.backend, g_min=self.g_min)
-        o = self.o_norm(o) * torch.sigmoid(self.o_up(self.o_down(x))).view(B, T, H, K)
+            o, h = kda(q, k, v.contiguous(), g, beta, None, h0, want_state, backend=self.backend, g_min=self.g_min)
+        o = self.o_norm(o) * torch.sigmoid(self.o_up(o_low)).view(B, T, H, K)
         y = self.o_proj(o.reshape(B, T, H * K))
-        return y, (KDAState(cq, ck, cv, h) if want_state else None)
+        return y, (KDAState(conv, h) if want_state else None)
