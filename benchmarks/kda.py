@@ -2,14 +2,25 @@
 
 Correctness first: ours (and fla, when installed) against the float64 token-by-token reference on the
 same bf16 inputs; on a red gate no timing is reported. Then bf16 forward and forward+backward median times
-(``triton.testing.do_bench``), tokens/s and TFLOP/s, written to ``benchmarks/RESULTS.md`` (section
-"KDA kernels"; other sections are kept).
+of all three in one process (``triton.testing.do_bench``), tokens/s and TFLOP/s, written to
+``benchmarks/RESULTS.md`` (section "KDA kernels"; other sections are kept).
+
+fla autotunes each kernel at its first call (every candidate config compiled, then timed). To fit a short GPU
+lease without changing what fla chooses: ``--fla-compile-worker I/P`` processes fill ``TRITON_CACHE_DIR``
+with the compiled candidates in parallel (benchmarks/triton_warm.py; they time nothing), then the timing
+process autotunes fla as usual (every candidate timed by fla's own autotuner on the idle GPU) and, fla
+passing ``cache_results``, stores its choices in ``TRITON_CACHE_DIR``. Carrying that folder to the next run
+on the same software skips the autotuning there. ::
+
+    export TRITON_CACHE_DIR=/tmp/tc
+    for i in $(seq 0 9); do python benchmarks/kda.py --fla-compile-worker $i/10 & done; wait
+    python benchmarks/kda.py
 
 FLOP model (the same for both KDA implementations, so TFLOP/s compare like with like): per token and head,
 with chunk C = 64, forward = 6CK + 4CV + 6KV (A_kk, A_qk, W, U, W S, Q S, Aq Delta, state update) and
 forward+backward = 3x forward. SDPA causal: forward 2 T^2 D per head (half of 4 T^2 D), backward 2.5x.
 
-Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--results benchmarks/RESULTS.md]``.
+Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--no-sdpa] [--results benchmarks/RESULTS.md]``.
 """
 
 from __future__ import annotations
@@ -99,11 +110,16 @@ def errors(fn, xs, cu=None):
     return out
 
 
+def correctness_cases() -> list[tuple[str, tuple[int, int, int, int, int], torch.Tensor | None]]:
+    """(name, (B, T, H, K, V), cu_seqlens); H = 16 so that fla reuses the timing shapes' autotuning."""
+    cu = torch.tensor([0, 17, 300, 301, 1024], device="cuda", dtype=torch.int64)
+    return [("B2 T1024 H16 D128", (2, 1024, 16, 128, 128), None), ("B1 T1000 H16 D64", (1, 1000, 16, 64, 64), None),
+            ("varlen 4 seqs T1024 H16 D128", (1, 1024, 16, 128, 128), cu)]
+
+
 def correctness(fla_fn) -> tuple[bool, list[str]]:
     torch.manual_seed(0)
-    cases = [("B2 T1024 H4 D128", (2, 1024, 4, 128, 128), None), ("B1 T1000 H4 D64", (1, 1000, 4, 64, 64), None)]
-    cu = torch.tensor([0, 17, 300, 301, 1024], device="cuda", dtype=torch.int64)
-    cases.append(("varlen 4 seqs T1024 H4 D128", (1, 1024, 4, 128, 128), cu))
+    cases = correctness_cases()
     lines = ["| case | impl | " + " | ".join(TOL) + " |", "|---|---|" + "---|" * len(TOL)]
     ok = True
     for name, shape, c in cases:
@@ -111,7 +127,7 @@ def correctness(fla_fn) -> tuple[bool, list[str]]:
         xs = inputs(B, T, H, K, V, h0=True)
         if c is not None:
             xs[5] = xs[5].new_zeros(4, H, K, V).normal_()
-        # fla autotunes for minutes at a new head size: compare it at D = 128 only.
+        # each new head size costs fla a full autotuning: compare it at D = 128 only.
         impls = [("k3lit", ours)] + ([("fla", fla_fn)] if fla_fn is not None and K == 128 else [])
         for impl, fn in impls:
             try:
@@ -135,6 +151,7 @@ def bench(fn, rep=100):
 
 
 def time_kda(fn, B, T, H, D):
+    """Median (fwd ms, fwd+bwd ms) of ``fn`` on fresh bf16 inputs, after one untimed call."""
     xs = inputs(B, T, H, D, D, requires_grad=True)
     t0 = time.time()
     fn(*xs)[0].sum().backward()
@@ -164,8 +181,31 @@ def time_sdpa(B, T, H, D):
     return fwd, bench(fb)
 
 
+def warm_fla(fla_fn) -> None:
+    """One fwd+bwd of fla at every shape the benchmark uses (compile worker: fills the Triton cache)."""
+    for _, (B, T, H, K, V), cu in correctness_cases():
+        if K == 128:
+            xs = inputs(B, T, H, K, V, requires_grad=True, h0=True)
+            if cu is not None:
+                xs[5] = xs[5].new_zeros(cu.numel() - 1, H, K, V).normal_()
+            fla_fn(*xs, cu=cu)[0].sum().backward()
+    for B, T, H, D in SHAPES:
+        xs = inputs(B, T, H, D, D, requires_grad=True)
+        fla_fn(*xs)[0].sum().backward()
+    torch.cuda.synchronize()
+
+
 def kda_flops(B, T, H, D, C=64):
     return B * T * H * (6 * C * D + 4 * C * D + 6 * D * D)
+
+
+def target_status(speedups: list[tuple[float, float]]) -> str:
+    """Issue 3's target line: fwd >= 1.5x and fwd+bwd >= 1.25x fla at every shape timed."""
+    fwd = min(s[0] for s in speedups)
+    fb = min(s[1] for s in speedups)
+    met = fwd >= 1.5 and fb >= 1.25  # a NaN (fla failed) compares False: not met
+    return (f"**Target (fwd >= 1.5x and f+b >= 1.25x fla at every shape): {'met' if met else 'not met'}** "
+            f"(lowest fwd speedup {fwd:.2f}x, lowest f+b speedup {fb:.2f}x).")
 
 
 def write_results(path, body):
@@ -185,9 +225,17 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    ap.add_argument("--time-anyway", action="store_true", help="print timings even on a red correctness gate")
+    ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
     args = ap.parse_args()
     import triton
 
+    if args.fla_compile_worker:
+        from benchmarks.triton_warm import compile_only
+
+        compile_only(*map(int, args.fla_compile_worker.split("/")))
+        warm_fla(make_fla(load_fla()))
+        return
     fla_fn = None if args.no_fla else load_fla()
     fla_run = make_fla(fla_fn) if fla_fn is not None else None
     gpu = torch.cuda.get_device_name()
@@ -201,13 +249,18 @@ def main():
         body.append("**Gate red: k3lit's errors exceed the tolerances; no timings reported.**")
         write_results(args.results, "\n".join(body))
         print("\n".join(body))
-        sys.exit(1)
-    body += ["Median ms (triton.testing.do_bench); speedup = fla / k3lit; TFLOP/s by the FLOP model in "
-             "benchmarks/kda.py; Mtok/s = B T / time.", "",
+        if not args.time_anyway:
+            sys.exit(1)
+        print("timing anyway (--time-anyway); these timings are not results")
+    body += ["Median ms (triton.testing.do_bench), all columns from this one process; speedup = fla / k3lit; "
+             "TFLOP/s by the FLOP model in benchmarks/kda.py; Mtok/s = B T / time. fla autotuned by its own "
+             "autotuner in this process (candidates compiled ahead by --fla-compile-worker processes) or reused "
+             "its stored choices from an earlier run on the same software (TRITON_CACHE_DIR).", "",
              "| B | T | H | D | k3lit fwd | fla fwd | SDPA fwd | fwd speedup | k3lit f+b | fla f+b | SDPA f+b "
              "| f+b speedup | k3lit f+b Mtok/s | k3lit f+b TFLOP/s | fla f+b TFLOP/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     shapes = SHAPES[:2] if args.quick else SHAPES
+    speedups = []
     for B, T, H, D in shapes:
         t0 = time.time()
         ours_t = time_kda(ours, B, T, H, D)
@@ -224,9 +277,12 @@ def main():
                f"{fla_t[1] / ours_t[1]:.2f}x | {B * T / ours_t[1] / 1e3:.1f} | {3 * fl / ours_t[1] / 1e9:.1f} | "
                f"{3 * fl / fla_t[1] / 1e9:.1f} |")
         body.append(row)
+        speedups.append((fla_t[0] / ours_t[0], fla_t[1] / ours_t[1]))
         print(row, f"({time.time() - t0:.0f} s)", flush=True)
         torch.cuda.empty_cache()
         write_results(args.results, "\n".join(body))
+    if fla_run is not None:
+        body += ["", target_status(speedups)]
     write_results(args.results, "\n".join(body))
     print("\n".join(body))
 

@@ -99,6 +99,24 @@ def _pair_operands(G0, G1, rows, R: tl.constexpr, S: tl.constexpr):
             tl.exp(Gr1[None, :] - G1), tl.exp(G1 - Gb[None, :]), tl.exp(Gb[None, :] - G0))
 
 
+@triton.jit
+def _load_blocks(x, offc0, m0, m1, H: tl.constexpr, C: tl.constexpr):
+    """The three stored ``[S, S]`` blocks (00, 10, 11) of a chunk's lower block-triangular matrix."""
+    S: tl.constexpr = C // 2
+    offc1 = offc0 + S * H * C
+    return (tl.load(x + offc0, mask=m0[:, None], other=0.0), tl.load(x + offc1, mask=m1[:, None], other=0.0),
+            tl.load(x + offc1 + S, mask=m1[:, None], other=0.0))
+
+
+@triton.jit
+def _store_blocks(x, offc0, m0, m1, X00, X10, X11, H: tl.constexpr, C: tl.constexpr):
+    S: tl.constexpr = C // 2
+    offc1 = offc0 + S * H * C
+    tl.store(x + offc0, X00.to(x.dtype.element_ty), mask=m0[:, None])
+    tl.store(x + offc1, X10.to(x.dtype.element_ty), mask=m1[:, None])
+    tl.store(x + offc1 + S, X11.to(x.dtype.element_ty), mask=m1[:, None])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------------
@@ -169,16 +187,12 @@ def _intra_fwd(
     lo = rows[:, None] > rows[None, :]
     le = rows[:, None] >= rows[None, :]
     offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    offc1 = offc0 + S * H * C
-    tl.store(Aq + offc0, (tl.where(le, B00, 0.0) * scale).to(Aq.dtype.element_ty), mask=m0[:, None])
-    tl.store(Aq + offc1, (B10 * scale).to(Aq.dtype.element_ty), mask=m1[:, None])
-    tl.store(Aq + offc1 + S, (tl.where(le, B11, 0.0) * scale).to(Aq.dtype.element_ty), mask=m1[:, None])
+    _store_blocks(Aq, offc0, m0, m1, tl.where(le, B00, 0.0) * scale, B10 * scale, tl.where(le, B11, 0.0) * scale,
+                  H, C)
     M00 = _unit_lower_inv(tl.where(lo, A00, 0.0) * beta0[:, None], rows)
     M11 = _unit_lower_inv(tl.where(lo, A11, 0.0) * beta1[:, None], rows)
     M10 = -tl.dot(tl.dot(M11, A10 * beta1[:, None]), M00)  # float32 operands (tf32 on the GPU)
-    tl.store(Mi + offc0, M00, mask=m0[:, None])
-    tl.store(Mi + offc1, M10, mask=m1[:, None])
-    tl.store(Mi + offc1 + S, M11, mask=m1[:, None])
+    _store_blocks(Mi, offc0, m0, m1, M00, M10, M11, H, C)
     X00 = _op(M00 * beta0[None, :], F32)  # M Diag(beta), by blocks
     X10 = _op(M10 * beta0[None, :], F32)
     X11 = _op(M11 * beta1[None, :], F32)
@@ -348,41 +362,6 @@ def _scan_bwd(
 
 
 @triton.jit
-def _state_grads(h, dh, D, dD, do, hbase, offv0, m0, m1, rk, m_k, H: tl.constexpr, V: tl.constexpr,
-                 S: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr):
-    """For one K block and both halves: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T ([S, BK] each)
-    and dGs = sum_v S ⊙ dS ([BK]), with S, dS the chunk's entering state and leaving-state gradient."""
-    dQg0 = tl.zeros([S, BK], dtype=tl.float32)
-    dQg1 = tl.zeros([S, BK], dtype=tl.float32)
-    dKd0 = tl.zeros([S, BK], dtype=tl.float32)
-    dKd1 = tl.zeros([S, BK], dtype=tl.float32)
-    dW0 = tl.zeros([S, BK], dtype=tl.float32)
-    dW1 = tl.zeros([S, BK], dtype=tl.float32)
-    dGs = tl.zeros([BK], dtype=tl.float32)
-    for vb in range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        m_v = cv < V
-        off0 = offv0 + vb
-        off1 = off0 + S * H * V
-        mv0 = m0[:, None] & m_v[None, :]
-        mv1 = m1[:, None] & m_v[None, :]
-        offs = hbase + rk[:, None] * V + cv[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(h + offs, mask=m_kv, other=0.0)
-        b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
-        hT = tl.trans(_op(b_h, F32))
-        dhT = tl.trans(_op(b_dh, F32))
-        dQg0 += tl.dot(_op(tl.load(do + off0, mask=mv0, other=0.0), F32), hT)
-        dQg1 += tl.dot(_op(tl.load(do + off1, mask=mv1, other=0.0), F32), hT)
-        dKd0 += tl.dot(_op(tl.load(D + off0, mask=mv0, other=0.0), F32), dhT)
-        dKd1 += tl.dot(_op(tl.load(D + off1, mask=mv1, other=0.0), F32), dhT)
-        dW0 -= tl.dot(_op(tl.load(dD + off0, mask=mv0, other=0.0), F32), hT)
-        dW1 -= tl.dot(_op(tl.load(dD + off1, mask=mv1, other=0.0), F32), hT)
-        dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    return dQg0, dQg1, dKd0, dKd1, dW0, dW1, dGs
-
-
-@triton.jit
 def _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S: tl.constexpr):
     """Stored cumulative log-decay of one K block as the halves ``(G0, G1)`` and its last valid row; rows past
     the chunk's end hold G_last (as the forward's cumsum over zero-padded g did), so that every rebased
@@ -394,20 +373,20 @@ def _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S: tl.constexpr):
 
 
 @triton.jit
-def _main_bwd(
-    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
+def _dA_bwd(
+    k, v, beta, Gc, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
+    """Per (chunk, head): dv, dbeta, and the pair-term gradients the key side needs.
 
-    Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
-    K blocks, two passes. Pass 1: dW = -dDelta S^T, dM += dW X^T with X = Diag(beta) K⊙exp(G), and A.
-    Then dL = -M^T dM M^T (by blocks, M being block lower triangular) and dA = Diag(beta) dL. Pass 2:
-    dQg = dO S^T, dKd = Delta dS^T and dW again (recomputed from the states: fewer bytes than a
-    round trip through memory), dq, dk, the dense pair terms of A and Aq (same rebasing as the forward),
-    dG and dg = reverse cumsum of dG (per channel, so per block). ``Xab`` names the [S, S] block of
-    matrix X with rows in half a and columns in half b.
+    Delta = M Y with Y = Diag(beta) Vt, Vt = V - (K⊙exp(G)) S, so with dy = M^T dDelta::
+
+        dv = Diag(beta) dy,   dL = -M^T (dDelta Y^T) M^T = -tril(dy Delta^T, -1),   dA = Diag(beta) dL
+        dbeta = rowsum(dy ⊙ Vt) + rowsum(dL ⊙ A),   dAq = tril(dO Delta^T)
+
+    Stores dA and scale * dAq without their diagonal (blocks 00, 10, 11 as ``Aq``) and the diagonal
+    ``dii = scale * diag(dO Delta^T)``. ``Xab`` names the [S, S] block of X with rows in half a, columns in b.
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
@@ -421,170 +400,206 @@ def _main_bwd(
     beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
     beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
     offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    offc1 = offc0 + S * H * C
-    M00t = tl.trans(tl.load(Mi + offc0, mask=m0[:, None], other=0.0))
-    M10t = tl.trans(tl.load(Mi + offc1, mask=m1[:, None], other=0.0))
-    M11t = tl.trans(tl.load(Mi + offc1 + S, mask=m1[:, None], other=0.0))
+    M00, M10, M11 = _load_blocks(Mi, offc0, m0, m1, H, C)
+    M00t, M10t, M11t = tl.trans(M00), tl.trans(M10), tl.trans(M11)
     hbase = (i_c * H + i_h) * K * V
-    dAq00 = tl.zeros([S, S], dtype=tl.float32)
-    dAq10 = tl.zeros([S, S], dtype=tl.float32)
-    dAq11 = tl.zeros([S, S], dtype=tl.float32)
-    dM00 = tl.zeros([S, S], dtype=tl.float32)
-    dM10 = tl.zeros([S, S], dtype=tl.float32)
-    dM11 = tl.zeros([S, S], dtype=tl.float32)
-    db0 = tl.zeros([S], dtype=tl.float32)
-    db1 = tl.zeros([S], dtype=tl.float32)
-    for vb in range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        off0 = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        off1 = off0 + S * H * V
-        mv0 = m0[:, None] & (cv < V)[None, :]
-        mv1 = m1[:, None] & (cv < V)[None, :]
-        D0 = tl.trans(_op(tl.load(D + off0, mask=mv0, other=0.0), F32))
-        D1 = tl.trans(_op(tl.load(D + off1, mask=mv1, other=0.0), F32))
-        do0 = _op(tl.load(do + off0, mask=mv0, other=0.0), F32)
-        do1 = _op(tl.load(do + off1, mask=mv1, other=0.0), F32)
-        dAq00 += tl.dot(do0, D0)
-        dAq10 += tl.dot(do1, D0)
-        dAq11 += tl.dot(do1, D1)
-        dd0 = tl.load(dD + off0, mask=mv0, other=0.0).to(tl.float32)
-        dd1 = tl.load(dD + off1, mask=mv1, other=0.0).to(tl.float32)
-        v0 = tl.load(v + off0, mask=mv0, other=0.0).to(tl.float32)
-        v1 = tl.load(v + off1, mask=mv1, other=0.0).to(tl.float32)
-        dy0 = tl.dot(M00t, dd0) + tl.dot(M10t, dd1)  # M^T dDelta, float32 operands (tf32 on GPU)
-        dy1 = tl.dot(M11t, dd1)
-        tl.store(dv + off0, (dy0 * beta0[:, None]).to(dv.dtype.element_ty), mask=mv0)
-        tl.store(dv + off1, (dy1 * beta1[:, None]).to(dv.dtype.element_ty), mask=mv1)
-        db0 += tl.sum(dy0 * v0, axis=1)
-        db1 += tl.sum(dy1 * v1, axis=1)
-        vb0 = tl.trans(_op(v0 * beta0[:, None], F32))
-        dd1o = _op(dd1, F32)
-        dM00 += tl.dot(_op(dd0, F32), vb0)
-        dM10 += tl.dot(dd1o, vb0)
-        dM11 += tl.dot(dd1o, tl.trans(_op(v1 * beta1[:, None], F32)))
     A00 = tl.zeros([S, S], dtype=tl.float32)
     A11 = tl.zeros([S, S], dtype=tl.float32)
     A10 = tl.zeros([S, S], dtype=tl.float32)
     for kb in range(0, K, BK):
         rk = kb + tl.arange(0, BK)
-        m_k = rk < K
         off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         off1 = off0 + S * H * K
-        msk0 = m0[:, None] & m_k[None, :]
-        msk1 = m1[:, None] & m_k[None, :]
-        dW0 = tl.zeros([S, BK], dtype=tl.float32)
-        dW1 = tl.zeros([S, BK], dtype=tl.float32)
-        for vb in range(0, V, BV):
-            cv = vb + tl.arange(0, BV)
-            m_v = cv < V
-            offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-            b_h = tl.load(h + hbase + rk[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            hT = tl.trans(_op(b_h, F32))
-            dW0 -= tl.dot(_op(tl.load(dD + offv, mask=m0[:, None] & m_v[None, :], other=0.0), F32), hT)
-            dW1 -= tl.dot(_op(tl.load(dD + offv + S * H * V, mask=m1[:, None] & m_v[None, :], other=0.0), F32), hT)
+        msk0 = m0[:, None] & (rk < K)[None, :]
+        msk1 = m1[:, None] & (rk < K)[None, :]
+        G0, G1, g_last = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
         k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
         k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-        G0, G1, _ = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
-        kg0 = k0 * tl.exp(G0)
-        kg1 = k1 * tl.exp(G1)
-        X0t = tl.trans(kg0 * beta0[:, None])
-        dM00 += tl.dot(dW0, X0t)
-        dM10 += tl.dot(dW1, X0t)
-        dM11 += tl.dot(dW1, tl.trans(kg1 * beta1[:, None]))
-        db0 += tl.sum((tl.dot(M00t, dW0) + tl.dot(M10t, dW1)) * kg0, axis=1)
-        db1 += tl.sum(tl.dot(M11t, dW1) * kg1, axis=1)
         up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
         A00 += tl.dot(_op(k0 * up0, F32), tl.trans(_op(k0 * dn0, F32)))
         A11 += tl.dot(_op(k1 * up1, F32), tl.trans(_op(k1 * dn1, F32)))
         A10 += tl.dot(_op(k1 * e1b, F32), tl.trans(_op(k0 * eb0, F32)))
-    # M = (I + L)^-1, L = Diag(beta) A: dL = -M^T dM M^T, by blocks (M block lower triangular, so the
-    # strictly lower blocks of dL need only dM00, dM10, dM11).
-    dL00 = tl.where(lo, -tl.dot(tl.dot(M00t, dM00) + tl.dot(M10t, dM10), M00t), 0.0)
-    dL10 = -tl.dot(tl.dot(M11t, dM10), M00t)
-    dL11 = tl.where(lo, -tl.dot(M11t, tl.dot(dM10, M10t) + tl.dot(dM11, M11t)), 0.0)
+    dAq00 = tl.zeros([S, S], dtype=tl.float32)
+    dAq10 = tl.zeros([S, S], dtype=tl.float32)
+    dAq11 = tl.zeros([S, S], dtype=tl.float32)
+    dL00 = tl.zeros([S, S], dtype=tl.float32)
+    dL10 = tl.zeros([S, S], dtype=tl.float32)
+    dL11 = tl.zeros([S, S], dtype=tl.float32)
+    db0 = tl.zeros([S], dtype=tl.float32)
+    db1 = tl.zeros([S], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        m_v = cv < V
+        off0 = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        off1 = off0 + S * H * V
+        mv0 = m0[:, None] & m_v[None, :]
+        mv1 = m1[:, None] & m_v[None, :]
+        D0 = tl.load(D + off0, mask=mv0, other=0.0)
+        D1 = tl.load(D + off1, mask=mv1, other=0.0)
+        do0 = _op(tl.load(do + off0, mask=mv0, other=0.0), F32)
+        do1 = _op(tl.load(do + off1, mask=mv1, other=0.0), F32)
+        D0t = tl.trans(_op(D0, F32))
+        dAq00 += tl.dot(do0, D0t)
+        dAq10 += tl.dot(do1, D0t)
+        dAq11 += tl.dot(do1, tl.trans(_op(D1, F32)))
+        dd0 = tl.load(dD + off0, mask=mv0, other=0.0).to(tl.float32)
+        dd1 = tl.load(dD + off1, mask=mv1, other=0.0).to(tl.float32)
+        dy0 = tl.dot(M00t, dd0) + tl.dot(M10t, dd1)  # M^T dDelta, float32 operands (tf32 on GPU)
+        dy1 = tl.dot(M11t, dd1)
+        tl.store(dv + off0, (dy0 * beta0[:, None]).to(dv.dtype.element_ty), mask=mv0)
+        tl.store(dv + off1, (dy1 * beta1[:, None]).to(dv.dtype.element_ty), mask=mv1)
+        D0f = tl.trans(D0.to(tl.float32))
+        dL00 -= tl.dot(dy0, D0f)
+        dL10 -= tl.dot(dy1, D0f)
+        dL11 -= tl.dot(dy1, tl.trans(D1.to(tl.float32)))
+        # Vt = V - (K⊙exp(G)) S on this value block
+        P0 = tl.zeros([S, BV], dtype=tl.float32)
+        P1 = tl.zeros([S, BV], dtype=tl.float32)
+        for kb in range(0, K, BK):
+            rk = kb + tl.arange(0, BK)
+            m_k = rk < K
+            offk0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+            offk1 = offk0 + S * H * K
+            msk0 = m0[:, None] & m_k[None, :]
+            msk1 = m1[:, None] & m_k[None, :]
+            G0, G1, g_last = _load_G(Gc, offk0, offk1, msk0, msk1, rows, n_valid, S)
+            kg0 = _op(tl.load(k + offk0, mask=msk0, other=0.0).to(tl.float32) * tl.exp(G0), F32)
+            kg1 = _op(tl.load(k + offk1, mask=msk1, other=0.0).to(tl.float32) * tl.exp(G1), F32)
+            b_h = _op(tl.load(h + hbase + rk[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :],
+                              other=0.0), F32)
+            P0 += tl.dot(kg0, b_h)
+            P1 += tl.dot(kg1, b_h)
+        db0 += tl.sum(dy0 * (tl.load(v + off0, mask=mv0, other=0.0).to(tl.float32) - P0), axis=1)
+        db1 += tl.sum(dy1 * (tl.load(v + off1, mask=mv1, other=0.0).to(tl.float32) - P1), axis=1)
+    dL00 = tl.where(lo, dL00, 0.0)
+    dL11 = tl.where(lo, dL11, 0.0)
     db0 += tl.sum(dL00 * tl.where(lo, A00, 0.0), axis=1)
     db1 += tl.sum(dL10 * A10 + dL11 * tl.where(lo, A11, 0.0), axis=1)
     tl.store(dbeta + tok * H + i_h, db0.to(dbeta.dtype.element_ty), mask=m0)
     tl.store(dbeta + (tok + S) * H + i_h, db1.to(dbeta.dtype.element_ty), mask=m1)
-    dA00 = _op(dL00 * beta0[:, None], F32)
-    dA10 = _op(dL10 * beta1[:, None], F32)
-    dA11 = _op(dL11 * beta1[:, None], F32)
+    _store_blocks(dA, offc0, m0, m1, dL00 * beta0[:, None], dL10 * beta1[:, None], dL11 * beta1[:, None], H, C)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
     # true dg is as small as exp(g_min)).
     eye = rows[:, None] == rows[None, :]
-    d_ii0 = tl.sum(tl.where(eye, dAq00, 0.0), axis=1) * scale
-    d_ii1 = tl.sum(tl.where(eye, dAq11, 0.0), axis=1) * scale
-    dAq00 = _op(tl.where(lo, dAq00, 0.0) * scale, F32)
-    dAq11 = _op(tl.where(lo, dAq11, 0.0) * scale, F32)
-    dAq10 = _op(dAq10 * scale, F32)
+    tl.store(dii + tok * H + i_h, tl.sum(tl.where(eye, dAq00, 0.0), axis=1) * scale, mask=m0)
+    tl.store(dii + (tok + S) * H + i_h, tl.sum(tl.where(eye, dAq11, 0.0), axis=1) * scale, mask=m1)
+    _store_blocks(dAq, offc0, m0, m1, tl.where(lo, dAq00, 0.0) * scale, dAq10 * scale,
+                  tl.where(lo, dAq11, 0.0) * scale, H, C)
+
+
+@triton.jit
+def _dqkg_bwd(
+    q, k, Gc, h, dh, D, do, dv, dA, dAq, dii, dq, dk, dg, cu, cidx, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    F32: tl.constexpr,
+):
+    """Per (K block, chunk, head): dq, dk and dg of the block.
+
+    State terms: dQg = dO S^T (O's scale (Q⊙exp(G)) S), dKd = Delta dS^T (the update
+    (K⊙exp(G_last - G))^T Delta), dKg = -dv S^T (Vt's (K⊙exp(G)) S). Pair terms of A and Aq from the
+    ``_dA_bwd`` blocks with the forward's rebasing. dg = reverse cumsum of dG over the chunk (per channel).
+    """
+    i_kb, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    S: tl.constexpr = C // 2
+    R: tl.constexpr = (S - 1) // 2
+    rows = tl.arange(0, S)
+    m0 = rows < n_valid
+    m1 = rows + S < n_valid
+    tok = t0 + rows
+    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    dA00, dA10, dA11 = _load_blocks(dA, offc0, m0, m1, H, C)
+    dAq00, dAq10, dAq11 = _load_blocks(dAq, offc0, m0, m1, H, C)
+    d_ii0 = tl.load(dii + tok * H + i_h, mask=m0, other=0.0)
+    d_ii1 = tl.load(dii + (tok + S) * H + i_h, mask=m1, other=0.0)
+    rk = i_kb * BK + tl.arange(0, BK)
+    m_k = rk < K
+    hbase = (i_c * H + i_h) * K * V
+    dQg0 = tl.zeros([S, BK], dtype=tl.float32)
+    dQg1 = tl.zeros([S, BK], dtype=tl.float32)
+    dKd0 = tl.zeros([S, BK], dtype=tl.float32)
+    dKd1 = tl.zeros([S, BK], dtype=tl.float32)
+    dKg0 = tl.zeros([S, BK], dtype=tl.float32)
+    dKg1 = tl.zeros([S, BK], dtype=tl.float32)
+    dGs = tl.zeros([BK], dtype=tl.float32)
+    for vb in range(0, V, BV):
+        cv = vb + tl.arange(0, BV)
+        m_v = cv < V
+        off0 = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        off1 = off0 + S * H * V
+        mv0 = m0[:, None] & m_v[None, :]
+        mv1 = m1[:, None] & m_v[None, :]
+        offs = hbase + rk[:, None] * V + cv[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + offs, mask=m_kv, other=0.0)
+        b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
+        hT = tl.trans(_op(b_h, F32))
+        dhT = tl.trans(_op(b_dh, F32))
+        dQg0 += tl.dot(_op(tl.load(do + off0, mask=mv0, other=0.0), F32), hT)
+        dQg1 += tl.dot(_op(tl.load(do + off1, mask=mv1, other=0.0), F32), hT)
+        dKd0 += tl.dot(_op(tl.load(D + off0, mask=mv0, other=0.0), F32), dhT)
+        dKd1 += tl.dot(_op(tl.load(D + off1, mask=mv1, other=0.0), F32), dhT)
+        dKg0 -= tl.dot(_op(tl.load(dv + off0, mask=mv0, other=0.0), F32), hT)
+        dKg1 -= tl.dot(_op(tl.load(dv + off1, mask=mv1, other=0.0), F32), hT)
+        dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+    off1 = off0 + S * H * K
+    msk0 = m0[:, None] & m_k[None, :]
+    msk1 = m1[:, None] & m_k[None, :]
+    q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
+    q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
+    k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
+    k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
+    G0, G1, g_last = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
+    e0 = tl.exp(G0)
+    e1 = tl.exp(G1)
+    dq0 = dQg0 * e0 * scale
+    dq1 = dQg1 * e1 * scale
+    dG0 = dKg0 * k0 * e0 + dq0 * q0
+    dG1 = dKg1 * k1 * e1 + dq1 * q1
+    dq0 += d_ii0[:, None] * k0
+    dq1 += d_ii1[:, None] * k1
+    dk0 = dKg0 * e0 + d_ii0[:, None] * q0
+    dk1 = dKg1 * e1 + d_ii1[:, None] * q1
+    # dense pair terms of A and Aq: diagonal blocks rebased on the half's middle row, blocks 10 on b
+    up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
+    kdn0 = _op(k0 * dn0, F32)
+    kdn1 = _op(k1 * dn1, F32)
+    kb0 = _op(k0 * eb0, F32)
+    dq_p0 = tl.dot(dAq00, kdn0) * up0
+    dq_p1 = tl.dot(dAq11, kdn1) * up1 + tl.dot(dAq10, kb0) * e1b
+    dk_r0 = tl.dot(dA00, kdn0) * up0
+    dk_r1 = tl.dot(dA11, kdn1) * up1 + tl.dot(dA10, kb0) * e1b
+    dk_c0 = ((tl.dot(tl.trans(dA00), _op(k0 * up0, F32)) + tl.dot(tl.trans(dAq00), _op(q0 * up0, F32))) * dn0
+             + (tl.dot(tl.trans(dA10), _op(k1 * e1b, F32)) + tl.dot(tl.trans(dAq10), _op(q1 * e1b, F32))) * eb0)
+    dk_c1 = (tl.dot(tl.trans(dA11), _op(k1 * up1, F32)) + tl.dot(tl.trans(dAq11), _op(q1 * up1, F32))) * dn1
+    dq0 += dq_p0
+    dq1 += dq_p1
+    dk0 += dk_r0 + dk_c0
+    dk1 += dk_r1 + dk_c1
+    dG0 += q0 * dq_p0 + k0 * (dk_r0 - dk_c0)
+    dG1 += q1 * dq_p1 + k1 * (dk_r1 - dk_c1)
+    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
+    ed0 = tl.exp(g_last[None, :] - G0)
+    ed1 = tl.exp(g_last[None, :] - G1)
+    dk0 += dKd0 * ed0
+    dk1 += dKd1 * ed1
     last0 = (rows == n_valid - 1)[:, None]
     last1 = (rows + S == n_valid - 1)[:, None]
-    for kb in range(0, K, BK):
-        rk = kb + tl.arange(0, BK)
-        m_k = rk < K
-        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        off1 = off0 + S * H * K
-        msk0 = m0[:, None] & m_k[None, :]
-        msk1 = m1[:, None] & m_k[None, :]
-        dQg0, dQg1, dKd0, dKd1, dW0, dW1, dGs = _state_grads(
-            h, dh, D, dD, do, hbase, tok[:, None] * (H * V) + i_h * V + tl.arange(0, BV)[None, :], m0, m1,
-            rk, m_k, H, V, S, BK, BV, F32)
-        q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
-        q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
-        k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
-        k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-        G0, G1, g_last = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
-        e0 = tl.exp(G0)
-        e1 = tl.exp(G1)
-        # W = M X, X = Diag(beta) K⊙exp(G): dX = M^T dW
-        dKg0 = (tl.dot(M00t, dW0) + tl.dot(M10t, dW1)) * beta0[:, None]
-        dKg1 = tl.dot(M11t, dW1) * beta1[:, None]
-        # O's state term scale (Q⊙exp(G)) S
-        dq0 = dQg0 * e0 * scale
-        dq1 = dQg1 * e1 * scale
-        dk0 = dKg0 * e0 + d_ii0[:, None] * q0
-        dk1 = dKg1 * e1 + d_ii1[:, None] * q1
-        dG0 = dKg0 * k0 * e0 + dq0 * q0
-        dG1 = dKg1 * k1 * e1 + dq1 * q1
-        dq0 += d_ii0[:, None] * k0
-        dq1 += d_ii1[:, None] * k1
-        # dense pair terms of A and Aq: diagonal blocks rebased on the half's middle row, A10 and Aq10 on b
-        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
-        kdn0 = _op(k0 * dn0, F32)
-        kdn1 = _op(k1 * dn1, F32)
-        kb0 = _op(k0 * eb0, F32)
-        dq_p0 = tl.dot(dAq00, kdn0) * up0
-        dq_p1 = (tl.dot(dAq11, kdn1) * up1) + tl.dot(dAq10, kb0) * e1b
-        dk_r0 = tl.dot(dA00, kdn0) * up0
-        dk_r1 = tl.dot(dA11, kdn1) * up1 + tl.dot(dA10, kb0) * e1b
-        dk_c0 = ((tl.dot(tl.trans(dA00), _op(k0 * up0, F32)) + tl.dot(tl.trans(dAq00), _op(q0 * up0, F32))) * dn0
-                 + (tl.dot(tl.trans(dA10), _op(k1 * e1b, F32)) + tl.dot(tl.trans(dAq10), _op(q1 * e1b, F32))) * eb0)
-        dk_c1 = (tl.dot(tl.trans(dA11), _op(k1 * up1, F32)) + tl.dot(tl.trans(dAq11), _op(q1 * up1, F32))) * dn1
-        dq0 += dq_p0
-        dq1 += dq_p1
-        dk0 += dk_r0 + dk_c0
-        dk1 += dk_r1 + dk_c1
-        dG0 += q0 * dq_p0 + k0 * (dk_r0 - dk_c0)
-        dG1 += q1 * dq_p1 + k1 * (dk_r1 - dk_c1)
-        # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
-        ed0 = tl.exp(g_last[None, :] - G0)
-        ed1 = tl.exp(g_last[None, :] - G1)
-        dk0 += dKd0 * ed0
-        dk1 += dKd1 * ed1
-        x0 = tl.where(last0, 0.0, dKd0 * k0 * ed0)
-        x1 = tl.where(last1, 0.0, dKd1 * k1 * ed1)
-        dGl = dGs * tl.exp(g_last) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
-        dG0 += tl.where(last0, dGl[None, :], -x0)
-        dG1 += tl.where(last1, dGl[None, :], -x1)
-        dg1 = tl.cumsum(dG1, axis=0, reverse=True)
-        dg0 = tl.cumsum(dG0, axis=0, reverse=True) + tl.sum(dG1, axis=0)[None, :]
-        tl.store(dq + off0, dq0.to(dq.dtype.element_ty), mask=msk0)
-        tl.store(dq + off1, dq1.to(dq.dtype.element_ty), mask=msk1)
-        tl.store(dk + off0, dk0.to(dk.dtype.element_ty), mask=msk0)
-        tl.store(dk + off1, dk1.to(dk.dtype.element_ty), mask=msk1)
-        tl.store(dg + off0, dg0.to(dg.dtype.element_ty), mask=msk0)
-        tl.store(dg + off1, dg1.to(dg.dtype.element_ty), mask=msk1)
+    x0 = tl.where(last0, 0.0, dKd0 * k0 * ed0)
+    x1 = tl.where(last1, 0.0, dKd1 * k1 * ed1)
+    dGl = dGs * tl.exp(g_last) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
+    dG0 += tl.where(last0, dGl[None, :], -x0)
+    dG1 += tl.where(last1, dGl[None, :], -x1)
+    dg1 = tl.cumsum(dG1, axis=0, reverse=True)
+    dg0 = tl.cumsum(dG0, axis=0, reverse=True) + tl.sum(dG1, axis=0)[None, :]
+    tl.store(dq + off0, dq0.to(dq.dtype.element_ty), mask=msk0)
+    tl.store(dq + off1, dq1.to(dq.dtype.element_ty), mask=msk1)
+    tl.store(dk + off0, dk0.to(dk.dtype.element_ty), mask=msk0)
+    tl.store(dk + off1, dk1.to(dk.dtype.element_ty), mask=msk1)
+    tl.store(dg + off0, dg0.to(dg.dtype.element_ty), mask=msk0)
+    tl.store(dg + off1, dg1.to(dg.dtype.element_ty), mask=msk1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -636,11 +651,18 @@ def _f32_operands(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers. BV = 32
-    gives more programs (the scans are latency-bound when B * H is small)."""
-    BK = _pow2(K)
-    return BK, min(_pow2(V), 32), 4 if BK <= 128 else 8
+def launch_cfg(K: int, V: int) -> dict[str, dict[str, int]]:
+    """Block sizes and warps of every kernel: fixed functions of K and V, never of T (a new sequence length
+    compiles nothing). The scans keep their state tile [BK, BV] in registers; BV = 32 gives more programs
+    (the scans are latency-bound when B * H is small)."""
+    BK, BV = _pow2(K), _pow2(V)
+    return {
+        "intra": dict(BK=min(32, BK), BV=min(64, BV), num_warps=8),
+        "scan": dict(BK=BK, BV=min(BV, 32), num_warps=4 if BK <= 128 else 8),
+        "out": dict(BK=min(64, BK), BV=min(64, BV), num_warps=8),
+        "dA": dict(BK=min(32, BK), BV=min(64, BV), num_warps=8),
+        "dqkg": dict(BK=min(32, BK), BV=min(64, BV), num_warps=4),
+    }
 
 
 def chunk_fwd(
@@ -674,15 +696,14 @@ def chunk_fwd(
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
-    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C,
-                        BK=min(64, _pow2(K)), BV=min(64, _pow2(V)), F32=F32, num_warps=4)
-    BK, BV, nw = _scan_cfg(K, V)
-    _scan_fwd[(triton.cdiv(V, BV), N * H)](
-        Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, F32=F32, num_warps=nw)
-    BVo = min(64, _pow2(V))
-    _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
-                                          BV=BVo, F32=F32, num_warps=4)
+    cfg = launch_cfg(K, V)
+    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C, F32=F32,
+                        **cfg["intra"])
+    _scan_fwd[(triton.cdiv(V, cfg["scan"]["BV"]), N * H)](
+        Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, HAS_H0=initial_state is not None,
+        STORE_HT=output_final_state, F32=F32, **cfg["scan"])
+    _out_fwd[(triton.cdiv(V, cfg["out"]["BV"]), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, F32=F32,
+                                                      **cfg["out"])
     return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
 
 
@@ -712,10 +733,16 @@ def chunk_bwd(
         return dq, dk, dv, dg, dbeta, dh0
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
-    BK, BV, nw = _scan_cfg(K, V)
-    _scan_bwd[(triton.cdiv(V, BV), N * H)](
-        Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
-        HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
-    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, cu, cidx, scale,
-                       H=H, K=K, V=V, C=C, BK=min(32, _pow2(K)), BV=min(64, _pow2(V)), F32=F32, num_warps=8)
+    cfg = launch_cfg(K, V)
+    _scan_bwd[(triton.cdiv(V, cfg["scan"]["BV"]), N * H)](
+        Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, HAS_DHT=dht is not None,
+        STORE_DH0=need_dh0, F32=F32, **cfg["scan"])
+    dA = torch.empty(B, T, H, C, device=q.device, dtype=wdt)  # Diag(beta) dL, blocks 00, 10, 11
+    dAq = torch.empty(B, T, H, C, device=q.device, dtype=wdt)  # scale * dAq without its diagonal
+    dii = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # scale * diag(dAq)
+    _dA_bwd[(NC, H)](k, v, beta, Gc, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale, H=H, K=K, V=V,
+                     C=C, F32=F32, **cfg["dA"])
+    _dqkg_bwd[(triton.cdiv(K, cfg["dqkg"]["BK"]), NC, H)](
+        q, k, Gc, h, dh, D, do, dv, dA, dAq, dii, dq, dk, dg, cu, cidx, scale, H=H, K=K, V=V, C=C, F32=F32,
+        **cfg["dqkg"])
     return dq, dk, dv, dg, dbeta, dh0

@@ -268,6 +268,14 @@ def test_gpu_gate_edges(seed, gate):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_strong_bound(seed):
+    """g_min = -10: chunks of 32 made of halves of 16, gate pinned at the bound (exponents at 80)."""
+    inputs = make_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, g_min=-10.0, gate="min", device="cuda")
+    assert_errors(run_both(inputs, g_min=-10.0), TOL_BF16)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_varlen(seed):
     lens = [1, 100, 64, 300, 31]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
