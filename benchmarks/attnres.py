@@ -5,11 +5,20 @@
     python benchmarks/attnres.py speed --size 300m           # H200: ~300M-parameter hybrid at T = 4096, bf16
     # validation loss at a fixed token budget on the tiny recipe: plain, block S=2, S=4, full, two seeds each
     python benchmarks/attnres.py quality
+    # the depth mix alone: fused Triton kernels vs the PyTorch form, N = 2, 6, 11 sources at B 2 x T 4096 x D 1024
+    python benchmarks/attnres.py mix                         # H200 (add --sweep to time every row tile)
+    TRITON_INTERPRET=1 python benchmarks/attnres.py mix --dim 96 --seq 8 --sources 2 3   # CPU smoke run
 
 Activation memory is the peak during forward + backward minus the memory held before it (parameters; the
 previous step's gradients are freed): ``torch.cuda.max_memory_allocated`` on GPU; on CPU the growth of the
 process's peak resident set over the first step, one fresh process per configuration (a coarser measure:
 it includes the gradients and allocator slack).
+
+``mix`` first checks both paths against float64 on the same inputs (largest relative RMS error over the output,
+the source gradients and the query gradient), then times forward and forward+backward
+(``triton.testing.do_bench`` medians) and converts them to GB/s over the bytes that must move at least: forward
+reads every source and writes the output; backward reads every source and the output gradient and writes every
+source gradient.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -32,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from results import environment, write_section  # noqa: E402
 
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
+from k3lit.ops.attn_res import attn_res_mix  # noqa: E402
+from k3lit.testing import rel_rms  # noqa: E402
 
 RESIDUALS = [("plain", 4), ("block_attnres", 4), ("full_attnres", 4)]
 POLICIES = ["none", "layer", "block", "selective"]
@@ -155,18 +167,124 @@ def run_quality(steps: int, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+MIX_LAYOUTS = {"bf16": (torch.bfloat16,), "fp32 emb + bf16": (torch.float32, torch.bfloat16)}
+
+
+def _median_ms(fn, reset: list[torch.Tensor]) -> float:
+    """Median milliseconds of ``fn()``: do_bench on CUDA, a few wall-clock runs elsewhere (smoke runs only)."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200, grad_to_none=reset, return_mode="median")
+    times = []
+    for _ in range(3):
+        for t in reset:
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _mix_inputs(n: int, dtypes: tuple, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sources = [(torch.randn(shape, device=dev) * (1 + i / n)).to(dtypes[min(i, len(dtypes) - 1)]).requires_grad_()
+               for i in range(n)]
+    u = (torch.randn(shape[-1], device=dev) / shape[-1] ** 0.5).requires_grad_()
+    return sources, u, torch.randn(shape, device=dev).to(sources[0].dtype)
+
+
+def mix_case(n: int, layout: str, shape: tuple[int, ...]) -> list[dict]:
+    """Accuracy against float64 and the times of both paths for n sources in ``layout``."""
+    sources, u, grad = _mix_inputs(n, MIX_LAYOUTS[layout], shape)
+    ref_in = [t.detach().double().requires_grad_() for t in (*sources, u)]
+    attn_res_mix(ref_in[:-1], ref_in[-1], backend="torch").backward(grad.double())
+    ref_out = attn_res_mix(ref_in[:-1], ref_in[-1], backend="torch").detach()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    fwd_bytes = nbytes(sources) + nbytes([grad])  # sources in, output (grad has its shape and dtype) out
+    bwd_bytes = 2 * nbytes(sources) + nbytes([grad])
+    rows = []
+    for backend in ("torch", "triton"):
+        for t in (*sources, u):
+            t.grad = None
+        out = attn_res_mix(sources, u, backend=backend)
+        out.backward(grad)
+        err = max([rel_rms(out, ref_out), rel_rms(u.grad, ref_in[-1].grad)]
+                  + [rel_rms(s.grad, r.grad) for s, r in zip(sources, ref_in)])
+
+        def fwd(backend=backend):
+            with torch.no_grad():
+                attn_res_mix(sources, u, backend=backend)
+
+        fwd_ms = _median_ms(fwd, [])
+        both_ms = _median_ms(lambda backend=backend: attn_res_mix(sources, u, backend=backend).backward(grad),
+                             [*sources, u])
+        rows.append(dict(layout=layout, n=n, backend=backend, err=err, fwd_ms=fwd_ms, both_ms=both_ms,
+                         fwd_gbs=fwd_bytes / fwd_ms / 1e6, both_gbs=(fwd_bytes + bwd_bytes) / both_ms / 1e6))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def mix_sweep(n: int, shape: tuple[int, ...]) -> str:
+    """Forward and backward kernel times per row tile (block_rows), fp32 embedding + bf16 layout."""
+    from k3lit.kernels.attn_res.mix import _tiles, mix_bwd, mix_fwd
+
+    sources, u, grad = _mix_inputs(n, MIX_LAYOUTS["fp32 emb + bf16"], shape)
+    sources = [s.detach() for s in sources]
+    u = u.detach()
+    default = _tiles(shape[-1], None)[0]
+    lines = [f"row-tile sweep, N = {n}, shape {tuple(shape)}, fp32 emb + bf16 (default block_rows {default})", "",
+             "| block_rows | fwd ms | bwd ms |", "|---|---|---|"]
+    for bt in (1, 2, 4, 8, 16):
+        _, src_stats, row_stats = mix_fwd(sources, u, 1e-6, bt)
+        f = _median_ms(lambda bt=bt: mix_fwd(sources, u, 1e-6, bt), [])
+        b = _median_ms(lambda bt=bt, st=(src_stats, row_stats): mix_bwd(sources, u, *st, grad, bt), [])
+        lines.append(f"| {bt} | {f:.3f} | {b:.3f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def run_mix(shape: tuple[int, ...], counts: list[int], sweep: bool) -> str:
+    rows = [r for layout in MIX_LAYOUTS for n in counts for r in mix_case(n, layout, shape)]
+    lines = [f"{environment()}; sources {tuple(shape)}, N sources, output in the first source's dtype", "",
+             "| layout | N | path | max rel. error vs float64 | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s |"
+             " Triton speed-up (fwd+bwd) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        torch_row = next(t for t in rows if t["backend"] == "torch" and (t["layout"], t["n"]) == (r["layout"], r["n"]))
+        lines.append(f"| {r['layout']} | {r['n']} | {r['backend']} | {r['err']:.1e} | {r['fwd_ms']:.3f} | "
+                     f"{r['fwd_gbs']:.0f} | {r['both_ms']:.3f} | {r['both_gbs']:.0f} | "
+                     f"{torch_row['both_ms'] / r['both_ms']:.2f}x |")
+    if sweep:
+        lines += ["", mix_sweep(max(counts), shape)]
+    return "\n".join(lines)
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["speed", "quality"])
+    parser.add_argument("mode", choices=["speed", "quality", "mix"])
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, default=2, help="mix: batch size")
+    parser.add_argument("--seq", type=int, default=4096, help="mix: sequence length")
+    parser.add_argument("--dim", type=int, default=1024, help="mix: model width D")
+    parser.add_argument("--sources", type=int, nargs="+", default=[2, 6, 11], help="mix: source counts N")
+    parser.add_argument("--sweep", action="store_true", help="mix: also time every row tile")
     args = parser.parse_args()
     if args.mode == "speed":
         rows = run_speed(args.size, args.repeats)
         where = "H200" if torch.cuda.is_available() else "CPU"
         write_section(f"Attention residuals × checkpointing ({where}, {args.size})", speed_table(rows, args.size))
+    elif args.mode == "mix":
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("mix times the Triton kernels on CUDA; without a GPU run it with TRITON_INTERPRET=1 and tiny "
+                     "sizes (e.g. --dim 96 --seq 8) as a smoke test")
+        table = run_mix((args.batch, args.seq, args.dim), args.sources, args.sweep)
+        print(table)
+        if torch.cuda.is_available():
+            write_section("Attention residuals: depth-mix kernel (H200)", table)
     else:
         write_section("Attention residuals: quality (CPU)", run_quality(args.steps, args.seeds))
 

@@ -58,24 +58,50 @@ class _AttnResMix(torch.autograd.Function):
         return (d_query.to(query.dtype), None, *d_sources)
 
 
-def attn_res_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+BACKENDS = ("auto", "torch", "triton")
+
+
+def attn_res_mix(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float = 1e-6, backend: str = "auto"
+) -> torch.Tensor:
     """Softmax-over-depth mix ``Σ_i softmax_i((u^T s_i) / rms(s_i)) s_i`` of ``N`` sources in one pass.
 
     Args:
-        sources: N tensors ``[B, T, D]`` of one float dtype.
+        sources: N tensors ``[B, T, D]`` of one shape (dtypes may differ: the float32 embedding beside bf16
+            sublayer outputs).
         query: ``[D]`` pseudo-query already multiplied by the RMSNorm weight (``u = w ⊙ γ``).
         eps: the RMSNorm epsilon.
+        backend: ``"auto"`` (the fused Triton kernels, :mod:`k3lit.kernels.attn_res`, for CUDA tensors they
+            support; this PyTorch form otherwise), ``"torch"`` or ``"triton"`` (also on CPU under
+            ``TRITON_INTERPRET=1``).
 
     Returns:
-        ``[B, T, D]`` in the sources' dtype; logits, softmax and the weighted sum in float32 (float64 for
-        float64 sources). Backward keeps only the ``[N, B, T]`` weights (see :class:`_AttnResMix`).
+        ``[B, T, D]`` in ``sources[0]``'s dtype; logits, softmax and the weighted sum in float32 (float64 for
+        float64 sources). Backward keeps only ``[N, B, T]`` float32 statistics (see :class:`_AttnResMix`).
 
     Raises:
-        ValueError: no sources.
+        ValueError: no sources, an unknown backend, or ``"triton"`` for inputs the kernels do not take
+            (float64, D > 8192, CPU tensors without the interpreter).
     """
     if not sources:
         raise ValueError("attn_res_mix needs at least one source")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if sources[0].is_cuda and _triton_takes(sources, query) else "torch"
+    if backend == "triton":
+        from k3lit.kernels.attn_res import attn_res_mix_triton
+
+        return attn_res_mix_triton(sources, query, eps)
     return _AttnResMix.apply(query, eps, *sources)
+
+
+def _triton_takes(sources: list[torch.Tensor], query: torch.Tensor) -> bool:
+    try:
+        from k3lit.kernels.attn_res import unsupported
+    except ImportError:
+        return False
+    return unsupported(sources, query) is None
 
 
 def attn_res_reference(

@@ -1,0 +1,231 @@
+"""Triton kernels of the softmax-over-depth mix (k3lit.ops.attn_res, REFERENCE.md §3) and their launchers.
+
+Per token row, with sources ``s_1 … s_N`` (``[D]`` each), query ``u`` and upstream gradient ``g``::
+
+    r_i = 1 / sqrt(mean(s_i^2) + eps)      l_i = (s_i·u) r_i      a = softmax(l)      out = Σ a_i s_i
+    dl_i = a_i (g·s_i - g·out)      ds_i = a_i g + dl_i (r_i u - (s_i·u) r_i^3 s_i / D)      du = Σ dl_i r_i s_i
+
+Each program owns ``BT`` whole rows (``BD`` = D rounded up to a power of two, masked), so every reduction over D
+stays on chip. The forward reads each source once and keeps an online softmax (running max ``m`` and sum
+``z``, the float32 accumulator rescaled by ``exp(m_old - m_new)``); it saves ``s_i·u`` and ``r_i`` (``[N, M]``
+float32) and the final ``m`` and ``z`` (``[M]``), from which the backward recomputes ``a_i = exp(l_i - m) / z``
+with ``l_i = (s_i·u) r_i`` formed bit for bit as in the forward. Saving the log-sum-exp ``m + log z`` instead
+would round it to the float32 spacing of ``m``: at logits of a few hundred ``Σ a_i`` would miss 1 by ~1e-5,
+and ``du``, a difference of nearly equal terms when the sources align, would lose most of its digits.
+
+The backward reads the sources twice per row tile (pass 1: ``g·out = Σ a_i g·s_i``; pass 2: the source
+gradients, which need ``g·out``); the second read of a tile is meant to come from L2. It loops over row tiles
+on a fixed grid, so ``du`` is reduced on chip per program and the ``[programs, D]`` partials are summed in
+torch: deterministic, no atomics (activation checkpointing recomputes the same bits).
+
+Sources arrive as separate tensors (stacking them would copy them all): a small int64 table on the device
+holds their addresses, a dtype code per source (0 float32, 1 bfloat16, 2 float16, so the float32 embedding
+and bf16 sublayer outputs mix without a copy) and, for the backward, the addresses of their gradients.
+One compiled kernel serves every N; the loop over sources is a runtime loop. When every address is 16-byte
+aligned (always, for tensors that start their storage) the kernels are told so and load 16 bytes per access.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_DIM = 8192  # a whole row per tile: at 16 warps, 16 values per thread and tile
+# 16 values per thread and tile (BT * BD = 2048 at 4 warps): sm_90 compiles of the forward / backward then take
+# about 64 / 93 registers at D = 1024 (BT = 2), no spills, so 8 / 5 programs share an SM.
+ELEMS_PER_THREAD = 16
+
+
+@triton.jit
+def _typed(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    p = addr.to(tl.pointer_type(DT))
+    if ALIGNED:  # every address in the table is 16-byte aligned (checked on the host): vector loads
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def _load_f32(addr, code, base, offs, mask, ALIGNED: tl.constexpr):
+    """The ``[BT, BD]`` tile at ``addr + base + offs`` (elements) of a tensor of dtype ``code``, as float32 (0
+    where masked). ``base`` is the tile's int64 first element, ``offs`` int32 offsets within the tile."""
+    if code == 0:
+        x = tl.load(_typed(addr, tl.float32, ALIGNED) + base + offs, mask=mask, other=0.0)
+    elif code == 1:
+        x = tl.load(_typed(addr, tl.bfloat16, ALIGNED) + base + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(_typed(addr, tl.float16, ALIGNED) + base + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_as(addr, code, base, offs, mask, x, ALIGNED: tl.constexpr):
+    """Store the float32 tile ``x`` at ``addr + base + offs`` converted to dtype ``code``."""
+    if code == 0:
+        tl.store(_typed(addr, tl.float32, ALIGNED) + base + offs, x, mask=mask)
+    elif code == 1:
+        tl.store(_typed(addr, tl.bfloat16, ALIGNED) + base + offs, x.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(_typed(addr, tl.float16, ALIGNED) + base + offs, x.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _mix_fwd(
+    table, u_ptr, out, su_ptr, r_ptr, m_ptr, z_ptr, M, N, eps,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
+    base = row0 * D
+    rows = row0 + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    m_row, m_col = rows < M, cols < D
+    mask = m_row[:, None] & m_col[None, :]
+    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
+    u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
+    m = tl.full([BT], float("-inf"), tl.float32)
+    z = tl.zeros([BT], tl.float32)
+    acc = tl.zeros([BT, BD], tl.float32)
+    for i in range(N):
+        s = _load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+        r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
+        su = tl.sum(s * u[None, :], axis=1)
+        l = su * r
+        m_new = tl.maximum(m, l)
+        rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
+        p = tl.exp(l - m_new)
+        z = z * rescale + p
+        acc = acc * rescale[:, None] + p[:, None] * s
+        m = m_new
+        tl.store(su_ptr + i * M + rows, su, mask=m_row)
+        tl.store(r_ptr + i * M + rows, r, mask=m_row)
+    tl.store(out + base + offs, (acc / z[:, None]).to(out.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + rows, m, mask=m_row)
+    tl.store(z_ptr + rows, z, mask=m_row)
+
+
+@triton.jit
+def _mix_bwd(
+    table, u_ptr, g_ptr, su_ptr, r_ptr, m_ptr, z_ptr, du_part, M, N, n_tiles,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    m_col = cols < D
+    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
+    u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
+    du = tl.zeros([BD], tl.float32)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        row0 = tl.cast(tile, tl.int64) * BT
+        base = row0 * D
+        rows = row0 + tl.arange(0, BT)
+        m_row = rows < M
+        mask = m_row[:, None] & m_col[None, :]
+        g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + rows, mask=m_row, other=0.0)
+        inv_z = 1.0 / tl.load(z_ptr + rows, mask=m_row, other=1.0)
+        g_out = tl.zeros([BT], tl.float32)  # g·out = Σ a_i g·s_i
+        for i in range(N):
+            s = _load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
+            r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+            g_out += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
+        for i in range(N):
+            code = tl.load(table + N + i)
+            s = _load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
+            su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
+            r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+            a = tl.exp(su * r - m) * inv_z
+            dl = a * (tl.sum(g * s, axis=1) - g_out)
+            c_u = dl * r
+            c_s = dl * su * r * r * r / D
+            ds = a[:, None] * g + c_u[:, None] * u[None, :] - c_s[:, None] * s
+            _store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
+            du += tl.sum(c_u[:, None] * s, axis=0)
+    tl.store(du_part + pid * D + cols, du, mask=m_col)
+
+
+def _tiles(D: int, block_rows: int | None) -> tuple[int, int, int]:
+    """``(BT, BD, num_warps)``: whole rows, at least 4 warps, ELEMS_PER_THREAD values per thread and tile."""
+    BD = triton.next_power_of_2(D)
+    BT = block_rows or max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // BD))
+    return BT, BD, max(4, min(16, BT * BD // (32 * ELEMS_PER_THREAD)))
+
+
+def _table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
+    """The int64 address/code table on ``device`` (pinned, asynchronous copy on CUDA: no host sync)."""
+    flat = [v for col in columns for v in col]
+    if device.type != "cuda":
+        return torch.tensor(flat, dtype=torch.int64)
+    return torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+@functools.cache
+def _max_programs(device: torch.device) -> int:
+    """Backward grid: 4 programs per SM on CUDA; 3 under the interpreter so tests run the tile loop unevenly."""
+    if device.type != "cuda":
+        return 3
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _aligned(addrs: list[int]) -> bool:
+    return all(a % 16 == 0 for a in addrs)
+
+
+def mix_fwd(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float, block_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on validated inputs (see :func:`k3lit.kernels.attn_res.attn_res_mix_triton`).
+
+    Args:
+        sources: N contiguous ``[..., D]`` tensors of one shape (float32 / bfloat16 / float16, may differ).
+        query: ``[D]`` contiguous.
+        block_rows: rows per program (a power of two); default from D.
+
+    Returns:
+        ``(out, src_stats, row_stats)``: out ``[..., D]`` in sources[0]'s dtype; ``src_stats [2, N, M]`` float32
+        holds ``s_i·u`` and ``1/rms(s_i)``; ``row_stats [2, M]`` float32 the softmax's max logit and denominator
+        (M = number of rows).
+    """
+    first = sources[0]
+    D, N = first.shape[-1], len(sources)
+    M = first.numel() // D
+    out = torch.empty_like(first)
+    src_stats = first.new_empty(2, N, M, dtype=torch.float32)
+    row_stats = first.new_empty(2, M, dtype=torch.float32)
+    if M == 0:
+        return out, src_stats, row_stats
+    addrs = [s.data_ptr() for s in sources]
+    table = _table([addrs, [DTYPE_CODES[s.dtype] for s in sources]], first.device)
+    BT, BD, warps = _tiles(D, block_rows)
+    _mix_fwd[(triton.cdiv(M, BT),)](
+        table, query, out, src_stats[0], src_stats[1], row_stats[0], row_stats[1], M, N, eps,
+        D=D, BT=BT, BD=BD, ALIGNED=_aligned(addrs), num_warps=warps)
+    return out, src_stats, row_stats
+
+
+def mix_bwd(
+    sources: list[torch.Tensor], query: torch.Tensor, src_stats: torch.Tensor, row_stats: torch.Tensor,
+    grad: torch.Tensor, block_rows: int | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Launch the backward kernel: ``(d_sources, d_query)``, each source gradient in its source's dtype and
+    ``d_query`` ``[D]`` float32. Statistics as :func:`mix_fwd` returns them; ``grad`` contiguous, out's shape."""
+    first = sources[0]
+    D, N = first.shape[-1], len(sources)
+    M = first.numel() // D
+    d_sources = [torch.empty_like(s) for s in sources]
+    if M == 0:
+        return d_sources, torch.zeros(D, dtype=torch.float32, device=first.device)
+    BT, BD, warps = _tiles(D, block_rows)
+    n_tiles = triton.cdiv(M, BT)
+    programs = min(n_tiles, _max_programs(first.device))
+    du_part = first.new_empty(programs, D, dtype=torch.float32)
+    addrs = [s.data_ptr() for s in sources]
+    d_addrs = [d.data_ptr() for d in d_sources]
+    table = _table([addrs, [DTYPE_CODES[s.dtype] for s in sources], d_addrs], first.device)
+    _mix_bwd[(programs,)](
+        table, query, grad, src_stats[0], src_stats[1], row_stats[0], row_stats[1], du_part, M, N, n_tiles,
+        D=D, BT=BT, BD=BD, ALIGNED=_aligned(addrs + d_addrs), num_warps=warps)
+    return d_sources, du_part.sum(0)
