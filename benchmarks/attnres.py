@@ -55,14 +55,19 @@ SIZES = {
 }
 
 
-def measure(size: str, residual: str, block: int, policy: str, repeats: int) -> dict:
-    """Activation memory (MiB) and median fwd+bwd time (ms) of one configuration, in this process."""
-    spec = SIZES[size]
+def measure(size: str, residual: str, block: int, policy: str, repeats: int, compile_: bool = False,
+            batch: int | None = None) -> dict:
+    """Activation memory (MiB) and median fwd+bwd time (ms) of one configuration, in this process
+    (``compile_``: ``torch.compile`` every sublayer, as ``k3lit fit --compile=true`` does)."""
+    spec = dict(SIZES[size], **({"batch": batch} if batch else {}))
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     cfg = dataclasses.replace(spec["cfg"], residual=residual, attnres_block_size=block, activation_checkpointing=policy)
     torch.manual_seed(0)
     model = K3LM(cfg).to(dev)
+    if compile_:
+        for sub in model.sublayers:
+            sub.compile()
     n_params = sum(p.numel() for p in model.parameters())
     idx = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"] + 1), device=dev)
 
@@ -97,16 +102,18 @@ def measure(size: str, residual: str, block: int, policy: str, repeats: int) -> 
     return dict(residual=residual, block=block, policy=policy, params_m=n_params / 1e6, act_mib=act_mib, ms=ms)
 
 
-def run_speed(size: str, repeats: int) -> list[dict]:
+def run_speed(size: str, repeats: int, residuals: list[str], policies: list[str], compile_: bool,
+              batch: int | None) -> list[dict]:
     rows = []
-    for residual, block in RESIDUALS:
-        for policy in POLICIES:
+    for residual, block in [r for r in RESIDUALS if r[0] in residuals]:
+        for policy in policies:
             if torch.cuda.is_available():
-                row = measure(size, residual, block, policy, repeats)
+                row = measure(size, residual, block, policy, repeats, compile_, batch)
                 torch.cuda.empty_cache()
             else:  # a fresh process per configuration, so its peak resident set is this configuration's own
                 code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import attnres; "
-                        f"print(json.dumps(attnres.measure({size!r}, {residual!r}, {block}, {policy!r}, {repeats})))")
+                        f"print(json.dumps(attnres.measure({size!r}, {residual!r}, {block}, {policy!r}, {repeats}, "
+                        f"{compile_}, {batch})))")
                 out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                 row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
@@ -114,21 +121,22 @@ def run_speed(size: str, repeats: int) -> list[dict]:
     return rows
 
 
-def speed_table(rows: list[dict], size: str) -> str:
-    spec = SIZES[size]
+def speed_table(rows: list[dict], size: str, compile_: bool, batch: int | None) -> str:
+    spec = dict(SIZES[size], **({"batch": batch} if batch else {}))
     base = {(r["residual"], r["policy"]): r for r in rows}
     mem_label = "activation MiB" if torch.cuda.is_available() else "peak RSS growth MiB"
     lines = [
         f"{environment()}; model {size} ({rows[0]['params_m']:.0f}M parameters, pattern "
         f"{spec['cfg'].layer_pattern}, dense), batch {spec['batch']} × T {spec['seq']}"
-        + (", bf16 autocast" if torch.cuda.is_available() else ", float32"),
+        + (", bf16 autocast" if torch.cuda.is_available() else ", float32")
+        + (", every sublayer torch.compile'd" if compile_ else ", eager"),
         "",
         f"| residual | policy | {mem_label} | vs none | fwd+bwd ms | vs none | vs plain (same policy) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         none = base[(r["residual"], "none")]
-        plain = base[("plain", r["policy"])]
+        plain = base.get(("plain", r["policy"]), r)
         name = f"{r['residual']} (S={r['block']})" if r["residual"] == "block_attnres" else r["residual"]
         lines.append(
             f"| {name} | {r['policy']} | {r['act_mib']:.0f} | {r['act_mib'] / none['act_mib']:.2f}x | {r['ms']:.1f} | "
@@ -267,21 +275,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batch", type=int, default=2, help="mix: batch size")
+    parser.add_argument("--batch", type=int, help="batch size (speed: the size's own; mix: 2)")
+    parser.add_argument("--compile", action="store_true", help="speed: torch.compile every sublayer")
+    parser.add_argument("--residuals", nargs="+", default=[r for r, _ in RESIDUALS], help="speed: which rules")
+    parser.add_argument("--policies", nargs="+", default=POLICIES, help="speed: which checkpoint policies")
     parser.add_argument("--seq", type=int, default=4096, help="mix: sequence length")
     parser.add_argument("--dim", type=int, default=1024, help="mix: model width D")
     parser.add_argument("--sources", type=int, nargs="+", default=[2, 6, 11], help="mix: source counts N")
     parser.add_argument("--sweep", action="store_true", help="mix: also time every row tile")
     args = parser.parse_args()
     if args.mode == "speed":
-        rows = run_speed(args.size, args.repeats)
+        rows = run_speed(args.size, args.repeats, args.residuals, args.policies, args.compile, args.batch)
         where = "H200" if torch.cuda.is_available() else "CPU"
-        write_section(f"Attention residuals × checkpointing ({where}, {args.size})", speed_table(rows, args.size))
+        title = (f"Attention residuals × checkpointing ({where}, {args.size}" + (", compiled" if args.compile else "")
+                 + (f", batch {args.batch}" if args.batch else "") + ")")
+        write_section(title, speed_table(rows, args.size, args.compile, args.batch))
     elif args.mode == "mix":
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("mix times the Triton kernels on CUDA; without a GPU run it with TRITON_INTERPRET=1 and tiny "
                      "sizes (e.g. --dim 96 --seq 8) as a smoke test")
-        table = run_mix((args.batch, args.seq, args.dim), args.sources, args.sweep)
+        table = run_mix((args.batch or 2, args.seq, args.dim), args.sources, args.sweep)
         print(table)
         if torch.cuda.is_available():
             write_section("Attention residuals: depth-mix kernel (H200)", table)

@@ -8,6 +8,8 @@ from k3lit.kernels.short_conv import short_conv_silu_triton
 from k3lit.nn.short_conv import ShortConvolution
 from k3lit.testing import rel_rms
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs the kernels under TRITON_INTERPRET=1
+
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Float64 ``silu(conv1d)`` over a zero history: ``x [B, T, C]``, ``w [C, W]``."""
@@ -16,11 +18,11 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.silu(F.conv1d(xt, w.double()[:, None], groups=C)).transpose(1, 2)
 
 
-@pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3)])
+@pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3), (2, 300, 1536, 4)])
 def test_forward_and_gradients_match_float64(seed, B, T, C, W):
-    x = torch.randn(B, T, C, requires_grad=True)
-    w = torch.randn(C, W, requires_grad=True)
-    dy = torch.randn(B, T, C)
+    x = torch.randn(B, T, C, device=DEV, requires_grad=True)
+    w = torch.randn(C, W, device=DEV, requires_grad=True)
+    dy = torch.randn(B, T, C, device=DEV)
     y = short_conv_silu_triton(x, w)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -32,25 +34,25 @@ def test_forward_and_gradients_match_float64(seed, B, T, C, W):
 
 
 def test_bf16_sums_in_float32(seed):
-    x = torch.randn(2, 40, 96).bfloat16()
-    w = torch.randn(96, 4).bfloat16()
+    x = torch.randn(2, 40, 96, device=DEV).bfloat16()
+    w = torch.randn(96, 4, device=DEV).bfloat16()
     # bf16 in and out, float32 inside: only the final rounding to bf16 (2^-8 relative) remains
     assert rel_rms(short_conv_silu_triton(x, w), reference(x, w)) < 4e-3
 
 
 def test_layer_triton_equals_torch_and_state_continues(seed):
-    conv_t, conv_c = ShortConvolution(48, backend="triton"), ShortConvolution(48, backend="torch")
+    conv_t, conv_c = ShortConvolution(48, backend="triton").to(DEV), ShortConvolution(48, backend="torch").to(DEV)
     conv_c.load_state_dict(conv_t.state_dict())
-    x = torch.randn(2, 11, 48)
+    x = torch.randn(2, 11, 48, device=DEV)
     y_t, tail_t = conv_t(x)
     y_c, tail_c = conv_c(x)
     torch.testing.assert_close(y_t, y_c, rtol=1e-5, atol=1e-6)
     assert torch.equal(tail_t, tail_c)
     # the state from the Triton pass continues the sequence exactly as the torch pass does
-    nxt = torch.randn(2, 1, 48)
+    nxt = torch.randn(2, 1, 48, device=DEV)
     torch.testing.assert_close(conv_t(nxt, tail_t)[0], conv_c(torch.cat([x, nxt], 1))[0][:, -1:], rtol=1e-5,
                                atol=1e-6)
-    short = torch.randn(1, 2, 48)  # T < W - 1: the state is zero-padded on the left
+    short = torch.randn(1, 2, 48, device=DEV)  # T < W - 1: the state is zero-padded on the left
     assert torch.equal(conv_t(short)[1], conv_c(short)[1])
 
 
