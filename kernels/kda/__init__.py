@@ -31,8 +31,8 @@ def _kda_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: _Opt, output_final_state: bool, cu_seqlens: _Opt, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``; everything after ht is saved for the backward."""
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D)``; everything after ht is saved for the backward."""
     return chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
@@ -49,6 +49,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
         q.new_empty(N, H, K, V, dtype=f32),
         q.new_empty(B, T, H, K, dtype=f32),
         q.new_empty(B, T, H, C, dtype=f32),
+        q.new_empty(B, T, H, C, dtype=wdt),
         q.new_empty(B, T, H, C, dtype=f32),
         q.new_empty(B, T, H, K, dtype=wdt),
         q.new_empty(B, T, H, K, dtype=wdt),
@@ -60,17 +61,18 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
 
 @torch.library.custom_op("k3lit::kda_chunk_bwd", mutates_args=())
 def _kda_chunk_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
-    Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor, D: torch.Tensor,
-    do: torch.Tensor, dht: _Opt,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Akk: torch.Tensor,
+    Aq: torch.Tensor, Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor,
+    D: torch.Tensor, do: torch.Tensor, dht: _Opt,
     need_dh0: bool, scale: float, cu_seqlens: _Opt, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv, dg, dbeta, dh0)``."""
-    return chunk_bwd(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens, chunk_size)
+    return chunk_bwd(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens,
+                     chunk_size)
 
 
 @_kda_chunk_bwd.register_fake
-def _(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens, chunk_size):
+def _(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens, chunk_size):
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, K,
@@ -79,19 +81,19 @@ def _(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_s
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size = inputs
-    _, _, Gc, Aq, Mi, W, Kd, Qg, h, D = output
-    ctx.save_for_backward(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens)
+    _, _, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D = output
+    ctx.save_for_backward(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens)
     ctx.scale, ctx.chunk_size = scale, chunk_size
     ctx.has_h0 = initial_state is not None
     ctx.g_dtype = g.dtype
 
 
 def _backward(ctx, do, dht, *_unused):
-    q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens = ctx.saved_tensors
+    q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = _kda_chunk_bwd(
-        q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do.contiguous(), None if dht is None else dht.contiguous(),
+        q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do.contiguous(), None if dht is None else dht.contiguous(),
         ctx.has_h0, ctx.scale, cu_seqlens, ctx.chunk_size)
     return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None
 

@@ -16,20 +16,20 @@ state scans step over whole chunks; inside a chunk every block is a dense ``tl.d
     O    = scale (Q⊙exp(G)) S + Aq Delta
     S'   = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
 
-Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, M, W, U), ``_scan_fwd`` (per sequence and value
-block: the sequential state recurrence, stores every chunk's entering state and Delta), ``_out_fwd``
-(per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS per chunk and dDelta),
-``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). Precision: exponentials, cumulative sums, the inverse
-and the states in float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32
-accumulation.
+Kernels (forward): ``_cumsum_fwd`` (per chunk: G), ``_intra_fwd`` (per chunk: A, Aq, M, W, U),
+``_scan_fwd`` (per sequence and value block: the sequential state recurrence, stores every chunk's entering
+state and Delta), ``_out_fwd`` (per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS
+per chunk and dDelta), ``_dA_bwd`` (per chunk: dv, dbeta and the pair-term gradients), ``_dqkg_bwd`` (per
+chunk and K block: dq, dk, dg). Precision: exponentials, cumulative sums, A, the inverse and the states in
+float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32 accumulation.
 
 Every launcher works on a packed layout ``[1, T_total, H, X]``; a dense ``[B, T]`` batch is the packed batch
 with ``cu_seqlens = [0, T, 2T, ...]``. Chunk metadata: ``chunk_idx [NC, 2]`` = (sequence, chunk in the
 sequence) for every chunk, ``chunk_off [N + 1]`` = first global chunk of each sequence. Per-chunk buffers
 (states) are allocated with the static upper bound ``T_total // C + N`` rows so that their shapes never
 depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that). The ``[T, H, C]`` buffers
-``Aq`` and ``Mi`` hold each token's row of its chunk's matrix; their upper-right ``[S, S]`` block is zero
-by structure and is never written nor read.
+(``Akk``, ``Aq``, ``Mi``, ``dA``, ``dAq``) hold each token's row of its chunk's matrix; their upper-right
+``[S, S]`` block is zero by structure and is never written nor read.
 """
 
 from __future__ import annotations
@@ -51,12 +51,6 @@ def _op(x, F32: tl.constexpr):
 
 
 @triton.jit
-def _row(x, rows, i):
-    """Row ``i`` of a ``[R, X]`` register tile as a ``[X]`` vector (zeros when ``i`` is not a row)."""
-    return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
-
-
-@triton.jit
 def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
     i_t = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
@@ -65,38 +59,6 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     t0 = bos + i_t * C
     n_valid = tl.minimum(eos - t0, C)
     return i_n, t0, n_valid
-
-
-@triton.jit
-def _chunk_last(G0, G1, rows, n_valid, S: tl.constexpr):
-    """G at the chunk's last valid row (half 0 when the chunk has at most S tokens)."""
-    return tl.where(n_valid > S, _row(G1, rows, n_valid - 1 - S), _row(G0, rows, n_valid - 1))
-
-
-@triton.jit
-def _unit_lower_inv(L, rows):
-    """``(I + L)^-1`` of a strictly lower ``[S, S]`` tile by forward substitution, row by row:
-    ``X_i = e_i - sum_{j<i} L_ij X_j`` (exact: L is strictly lower)."""
-    X = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, L.shape[0]):
-        l_i = _row(L, rows, i)
-        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
-        X = tl.where((rows == i)[:, None], x_i[None, :], X)
-    return X
-
-
-@triton.jit
-def _pair_operands(G0, G1, rows, R: tl.constexpr, S: tl.constexpr):
-    """Rebasing factors of one K block: ``(up0, dn0, up1, dn1, e1b, eb0)``.
-
-    ``up_h = exp(G_h - G_{r_h})`` and ``dn_h = exp(G_{r_h} - G_h)`` rebase half h on its middle row r_h
-    (bounded by exp(|g_min| * ceil((S - 1) / 2))); ``e1b = exp(G1 - G_b)`` and ``eb0 = exp(G_b - G0)``
-    rebase the off-diagonal block on the boundary row b = S - 1 (both <= 1)."""
-    Gr0 = _row(G0, rows, R)
-    Gr1 = _row(G1, rows, R)
-    Gb = _row(G0, rows, S - 1)
-    return (tl.exp(G0 - Gr0[None, :]), tl.exp(Gr0[None, :] - G0), tl.exp(G1 - Gr1[None, :]),
-            tl.exp(Gr1[None, :] - G1), tl.exp(G1 - Gb[None, :]), tl.exp(Gb[None, :] - G0))
 
 
 @triton.jit
@@ -117,32 +79,93 @@ def _store_blocks(x, offc0, m0, m1, X00, X10, X11, H: tl.constexpr, C: tl.conste
     tl.store(x + offc1 + S, X11.to(x.dtype.element_ty), mask=m1[:, None])
 
 
+@triton.jit
+def _ref_rows(Gc, t0, n_valid, i_h, rk, m_k, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr):
+    """The rows of the cumulative log-decay ``Gc`` that one K block is rebased on, loaded as ``[BK]`` vectors:
+    ``(G_r0, G_r1, G_b, G_last)`` with r_h = S_h + (S - 1) // 2 the middle row of half h, b = S - 1 the
+    boundary and G_last the chunk's last valid row. A reference row past the chunk's end stands for G_last,
+    the value the zero-padded cumsum carried there."""
+    R: tl.constexpr = (S - 1) // 2
+    last = n_valid - 1
+    base = Gc + (t0 * H + i_h) * K + rk
+    return (tl.load(base + tl.minimum(R, last) * (H * K), mask=m_k, other=0.0),
+            tl.load(base + tl.minimum(S + R, last) * (H * K), mask=m_k, other=0.0),
+            tl.load(base + tl.minimum(S - 1, last) * (H * K), mask=m_k, other=0.0),
+            tl.load(base + last * (H * K), mask=m_k, other=0.0))
+
+
+@triton.jit
+def _load_G(Gc, off0, off1, msk0, msk1, g_last):
+    """Stored cumulative log-decay of one K block as the halves ``(G0, G1)``; rows past the chunk's end hold
+    G_last (as the zero-padded cumsum did), so that every rebased exponential of a padded row stays bounded."""
+    G0 = tl.load(Gc + off0, mask=msk0, other=0.0)
+    G1 = tl.load(Gc + off1, mask=msk1, other=0.0)
+    return tl.where(msk0, G0, g_last[None, :]), tl.where(msk1, G1, g_last[None, :])
+
+
+@triton.jit
+def _pair_operands(G0, G1, Gr0, Gr1, Gb):
+    """Rebasing factors of one K block: ``(up0, dn0, up1, dn1, e1b, eb0)``.
+
+    ``up_h = exp(G_h - G_{r_h})`` and ``dn_h = exp(G_{r_h} - G_h)`` rebase half h on its middle row r_h
+    (bounded by exp(|g_min| * ceil((S - 1) / 2))); ``e1b = exp(G1 - G_b)`` and ``eb0 = exp(G_b - G0)``
+    rebase the off-diagonal block on the boundary row b = S - 1 (both <= 1)."""
+    return (tl.exp(G0 - Gr0[None, :]), tl.exp(Gr0[None, :] - G0), tl.exp(G1 - Gr1[None, :]),
+            tl.exp(Gr1[None, :] - G1), tl.exp(G1 - Gb[None, :]), tl.exp(Gb[None, :] - G0))
+
+
+@triton.jit
+def _unit_lower_inv(Akk, beta, tok_b, col_b, n_b, i_h, H: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
+    """``(I + Diag(beta) A)^-1`` of one diagonal ``[S, S]`` block, A strictly lower and stored in ``Akk``
+    (block rows are tokens ``tok_b + i``, columns ``col_b + j``; ``n_b`` of its rows are valid).
+
+    Forward substitution in column form: ``Y = M^T`` obeys ``Y[:, i] = e_i - beta_i Y A[i, :]^T`` for
+    i = 1 .. S - 1 (exact, A being strictly lower). Each step reads row i of A from memory (independent of Y,
+    so the unrolled loads are issued early) and reduces along the rows of Y, within a warp: no exchange
+    between warps on the sequential path."""
+    rows = tl.arange(0, S)
+    Y = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in tl.static_range(1, S):
+        a_i = tl.load(Akk + (tok_b + i) * (H * C) + i_h * C + col_b + rows, mask=(rows < i) & (i < n_b), other=0.0)
+        b_i = tl.load(beta + (tok_b + i) * H + i_h, mask=i < n_b, other=0.0).to(tl.float32)
+        s = tl.sum(Y * a_i[None, :], axis=1) * b_i
+        Y = tl.where(rows[None, :] == i, (rows == i).to(tl.float32)[:, None] - s[:, None], Y)
+    return tl.trans(Y)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _load_g_halves(g, off0, off1, msk0, msk1, rows, S: tl.constexpr):
-    """In-chunk cumulative log-decay of one K block, as the two halves ``(G0, G1)`` ([S, BK] float32)."""
-    G0 = tl.cumsum(tl.load(g + off0, mask=msk0, other=0.0).to(tl.float32), axis=0)
-    G1 = tl.cumsum(tl.load(g + off1, mask=msk1, other=0.0).to(tl.float32), axis=0)
-    return G0, G1 + _row(G0, rows, S - 1)[None, :]
+def _cumsum_fwd(
+    g, Gc, cu, cidx,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+):
+    """Per (chunk, head): Gc = in-chunk cumulative sum of g over the tokens (float32, padded rows not written)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    rows = tl.arange(0, C)
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        off = (t0 + rows)[:, None] * (H * K) + i_h * K + rk[None, :]
+        msk = (rows < n_valid)[:, None] & (rk < K)[None, :]
+        tl.store(Gc + off, tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0), mask=msk)
 
 
 @triton.jit
 def _intra_fwd(
-    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale,
+    k, v, q, beta, Gc, Akk, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (chunk, head): G = cumsum(g), Aq (scaled), M = (I + Diag(beta) A)^-1, W, U, and the scan's
-    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). All [T, H, *] outputs, rows of half 1 are
-    those of half 0 shifted by S tokens."""
+    """Per (chunk, head), from Gc: A (stored, float32), Aq (scaled), M = (I + Diag(beta) A)^-1, W, U, and the
+    scan's operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). In every [T, H, *] buffer the rows of
+    half 1 are those of half 0 shifted by S tokens."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     S: tl.constexpr = C // 2
-    R: tl.constexpr = (S - 1) // 2
     rows = tl.arange(0, S)
     m0 = rows < n_valid
     m1 = rows + S < n_valid
@@ -154,24 +177,23 @@ def _intra_fwd(
     B11 = tl.zeros([S, S], dtype=tl.float32)
     B10 = tl.zeros([S, S], dtype=tl.float32)
     for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        off0 = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        rk = kb + tl.arange(0, BK)
+        m_k = rk < K
+        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         off1 = off0 + S * H * K
-        msk0 = m0[:, None] & (cols < K)[None, :]
-        msk1 = m1[:, None] & (cols < K)[None, :]
-        G0, G1 = _load_g_halves(g, off0, off1, msk0, msk1, rows, S)
-        tl.store(Gc + off0, G0, mask=msk0)
-        tl.store(Gc + off1, G1, mask=msk1)
+        msk0 = m0[:, None] & m_k[None, :]
+        msk1 = m1[:, None] & m_k[None, :]
+        Gr0, Gr1, Gb, g_last = _ref_rows(Gc, t0, n_valid, i_h, rk, m_k, H, K, S)
+        G0, G1 = _load_G(Gc, off0, off1, msk0, msk1, g_last)
         k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
         k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
         q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
         q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
-        g_last = _chunk_last(G0, G1, rows, n_valid, S)
         tl.store(Kd + off0, (k0 * tl.exp(g_last[None, :] - G0)).to(Kd.dtype.element_ty), mask=msk0)
         tl.store(Kd + off1, (k1 * tl.exp(g_last[None, :] - G1)).to(Kd.dtype.element_ty), mask=msk1)
         tl.store(Qg + off0, (q0 * tl.exp(G0) * scale).to(Qg.dtype.element_ty), mask=msk0)
         tl.store(Qg + off1, (q1 * tl.exp(G1) * scale).to(Qg.dtype.element_ty), mask=msk1)
-        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
+        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, Gr0, Gr1, Gb)
         kdn0 = tl.trans(_op(k0 * dn0, F32))
         kdn1 = tl.trans(_op(k1 * dn1, F32))
         kb0 = tl.trans(_op(k0 * eb0, F32))
@@ -181,30 +203,33 @@ def _intra_fwd(
         B11 += tl.dot(_op(q1 * up1, F32), kdn1)
         A10 += tl.dot(_op(k1 * e1b, F32), kb0)
         B10 += tl.dot(_op(q1 * e1b, F32), kb0)
-    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
-    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
     # Entries above a diagonal block's diagonal may be inf/nan (late row, early column); where selects.
     lo = rows[:, None] > rows[None, :]
     le = rows[:, None] >= rows[None, :]
     offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     _store_blocks(Aq, offc0, m0, m1, tl.where(le, B00, 0.0) * scale, B10 * scale, tl.where(le, B11, 0.0) * scale,
                   H, C)
-    M00 = _unit_lower_inv(tl.where(lo, A00, 0.0) * beta0[:, None], rows)
-    M11 = _unit_lower_inv(tl.where(lo, A11, 0.0) * beta1[:, None], rows)
+    _store_blocks(Akk, offc0, m0, m1, tl.where(lo, A00, 0.0), A10, tl.where(lo, A11, 0.0), H, C)
+    tl.debug_barrier()  # the inversions read back rows of A that other warps stored
+    M00 = _unit_lower_inv(Akk, beta, t0, 0, n_valid, i_h, H, C, S)
+    M11 = _unit_lower_inv(Akk, beta, t0 + S, S, n_valid - S, i_h, H, C, S)
+    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
+    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
     M10 = -tl.dot(tl.dot(M11, A10 * beta1[:, None]), M00)  # float32 operands (tf32 on the GPU)
     _store_blocks(Mi, offc0, m0, m1, M00, M10, M11, H, C)
     X00 = _op(M00 * beta0[None, :], F32)  # M Diag(beta), by blocks
     X10 = _op(M10 * beta0[None, :], F32)
     X11 = _op(M11 * beta1[None, :], F32)
     for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        off0 = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        rk = kb + tl.arange(0, BK)
+        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         off1 = off0 + S * H * K
-        msk0 = m0[:, None] & (cols < K)[None, :]
-        msk1 = m1[:, None] & (cols < K)[None, :]
-        G0, G1 = _load_g_halves(g, off0, off1, msk0, msk1, rows, S)
-        kg0 = _op(tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32) * tl.exp(G0), F32)
-        kg1 = _op(tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32) * tl.exp(G1), F32)
+        msk0 = m0[:, None] & (rk < K)[None, :]
+        msk1 = m1[:, None] & (rk < K)[None, :]
+        kg0 = _op(tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
+                  * tl.exp(tl.load(Gc + off0, mask=msk0, other=0.0)), F32)
+        kg1 = _op(tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
+                  * tl.exp(tl.load(Gc + off1, mask=msk1, other=0.0)), F32)
         tl.store(W + off0, tl.dot(X00, kg0).to(W.dtype.element_ty), mask=msk0)
         tl.store(W + off1, (tl.dot(X10, kg0) + tl.dot(X11, kg1)).to(W.dtype.element_ty), mask=msk1)
     for vb in range(0, V, BV):
@@ -362,19 +387,8 @@ def _scan_bwd(
 
 
 @triton.jit
-def _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S: tl.constexpr):
-    """Stored cumulative log-decay of one K block as the halves ``(G0, G1)`` and its last valid row; rows past
-    the chunk's end hold G_last (as the forward's cumsum over zero-padded g did), so that every rebased
-    exponential of a padded row stays within the bound."""
-    G0 = tl.load(Gc + off0, mask=msk0, other=0.0)
-    G1 = tl.load(Gc + off1, mask=msk1, other=0.0)
-    g_last = _chunk_last(G0, G1, rows, n_valid, S)
-    return tl.where(msk0, G0, g_last[None, :]), tl.where(msk1, G1, g_last[None, :]), g_last
-
-
-@triton.jit
 def _dA_bwd(
-    k, v, beta, Gc, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale,
+    k, v, beta, Gc, Akk, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
@@ -391,34 +405,14 @@ def _dA_bwd(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     S: tl.constexpr = C // 2
-    R: tl.constexpr = (S - 1) // 2
     rows = tl.arange(0, S)
     m0 = rows < n_valid
     m1 = rows + S < n_valid
     tok = t0 + rows
-    lo = rows[:, None] > rows[None, :]
-    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
-    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
     offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     M00, M10, M11 = _load_blocks(Mi, offc0, m0, m1, H, C)
     M00t, M10t, M11t = tl.trans(M00), tl.trans(M10), tl.trans(M11)
     hbase = (i_c * H + i_h) * K * V
-    A00 = tl.zeros([S, S], dtype=tl.float32)
-    A11 = tl.zeros([S, S], dtype=tl.float32)
-    A10 = tl.zeros([S, S], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        rk = kb + tl.arange(0, BK)
-        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        off1 = off0 + S * H * K
-        msk0 = m0[:, None] & (rk < K)[None, :]
-        msk1 = m1[:, None] & (rk < K)[None, :]
-        G0, G1, g_last = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
-        k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
-        k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
-        A00 += tl.dot(_op(k0 * up0, F32), tl.trans(_op(k0 * dn0, F32)))
-        A11 += tl.dot(_op(k1 * up1, F32), tl.trans(_op(k1 * dn1, F32)))
-        A10 += tl.dot(_op(k1 * e1b, F32), tl.trans(_op(k0 * eb0, F32)))
     dAq00 = tl.zeros([S, S], dtype=tl.float32)
     dAq10 = tl.zeros([S, S], dtype=tl.float32)
     dAq11 = tl.zeros([S, S], dtype=tl.float32)
@@ -434,24 +428,6 @@ def _dA_bwd(
         off1 = off0 + S * H * V
         mv0 = m0[:, None] & m_v[None, :]
         mv1 = m1[:, None] & m_v[None, :]
-        D0 = tl.load(D + off0, mask=mv0, other=0.0)
-        D1 = tl.load(D + off1, mask=mv1, other=0.0)
-        do0 = _op(tl.load(do + off0, mask=mv0, other=0.0), F32)
-        do1 = _op(tl.load(do + off1, mask=mv1, other=0.0), F32)
-        D0t = tl.trans(_op(D0, F32))
-        dAq00 += tl.dot(do0, D0t)
-        dAq10 += tl.dot(do1, D0t)
-        dAq11 += tl.dot(do1, tl.trans(_op(D1, F32)))
-        dd0 = tl.load(dD + off0, mask=mv0, other=0.0).to(tl.float32)
-        dd1 = tl.load(dD + off1, mask=mv1, other=0.0).to(tl.float32)
-        dy0 = tl.dot(M00t, dd0) + tl.dot(M10t, dd1)  # M^T dDelta, float32 operands (tf32 on GPU)
-        dy1 = tl.dot(M11t, dd1)
-        tl.store(dv + off0, (dy0 * beta0[:, None]).to(dv.dtype.element_ty), mask=mv0)
-        tl.store(dv + off1, (dy1 * beta1[:, None]).to(dv.dtype.element_ty), mask=mv1)
-        D0f = tl.trans(D0.to(tl.float32))
-        dL00 -= tl.dot(dy0, D0f)
-        dL10 -= tl.dot(dy1, D0f)
-        dL11 -= tl.dot(dy1, tl.trans(D1.to(tl.float32)))
         # Vt = V - (K⊙exp(G)) S on this value block
         P0 = tl.zeros([S, BV], dtype=tl.float32)
         P1 = tl.zeros([S, BV], dtype=tl.float32)
@@ -462,21 +438,46 @@ def _dA_bwd(
             offk1 = offk0 + S * H * K
             msk0 = m0[:, None] & m_k[None, :]
             msk1 = m1[:, None] & m_k[None, :]
-            G0, G1, g_last = _load_G(Gc, offk0, offk1, msk0, msk1, rows, n_valid, S)
-            kg0 = _op(tl.load(k + offk0, mask=msk0, other=0.0).to(tl.float32) * tl.exp(G0), F32)
-            kg1 = _op(tl.load(k + offk1, mask=msk1, other=0.0).to(tl.float32) * tl.exp(G1), F32)
+            kg0 = _op(tl.load(k + offk0, mask=msk0, other=0.0).to(tl.float32)
+                      * tl.exp(tl.load(Gc + offk0, mask=msk0, other=0.0)), F32)
+            kg1 = _op(tl.load(k + offk1, mask=msk1, other=0.0).to(tl.float32)
+                      * tl.exp(tl.load(Gc + offk1, mask=msk1, other=0.0)), F32)
             b_h = _op(tl.load(h + hbase + rk[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :],
                               other=0.0), F32)
             P0 += tl.dot(kg0, b_h)
             P1 += tl.dot(kg1, b_h)
+        dd0 = tl.load(dD + off0, mask=mv0, other=0.0).to(tl.float32)
+        dd1 = tl.load(dD + off1, mask=mv1, other=0.0).to(tl.float32)
+        dy0 = tl.dot(M00t, dd0) + tl.dot(M10t, dd1)  # M^T dDelta, float32 operands (tf32 on GPU)
+        dy1 = tl.dot(M11t, dd1)
         db0 += tl.sum(dy0 * (tl.load(v + off0, mask=mv0, other=0.0).to(tl.float32) - P0), axis=1)
         db1 += tl.sum(dy1 * (tl.load(v + off1, mask=mv1, other=0.0).to(tl.float32) - P1), axis=1)
+        beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
+        beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
+        tl.store(dv + off0, (dy0 * beta0[:, None]).to(dv.dtype.element_ty), mask=mv0)
+        tl.store(dv + off1, (dy1 * beta1[:, None]).to(dv.dtype.element_ty), mask=mv1)
+        D0 = tl.load(D + off0, mask=mv0, other=0.0)
+        D1 = tl.load(D + off1, mask=mv1, other=0.0)
+        D0f = tl.trans(D0.to(tl.float32))
+        dL00 -= tl.dot(dy0, D0f)
+        dL10 -= tl.dot(dy1, D0f)
+        dL11 -= tl.dot(dy1, tl.trans(D1.to(tl.float32)))
+        do0 = _op(tl.load(do + off0, mask=mv0, other=0.0), F32)
+        do1 = _op(tl.load(do + off1, mask=mv1, other=0.0), F32)
+        D0t = tl.trans(_op(D0, F32))
+        dAq00 += tl.dot(do0, D0t)
+        dAq10 += tl.dot(do1, D0t)
+        dAq11 += tl.dot(do1, tl.trans(_op(D1, F32)))
+    lo = rows[:, None] > rows[None, :]
     dL00 = tl.where(lo, dL00, 0.0)
     dL11 = tl.where(lo, dL11, 0.0)
-    db0 += tl.sum(dL00 * tl.where(lo, A00, 0.0), axis=1)
-    db1 += tl.sum(dL10 * A10 + dL11 * tl.where(lo, A11, 0.0), axis=1)
+    A00, A10, A11 = _load_blocks(Akk, offc0, m0, m1, H, C)  # the forward's A (diagonal blocks strictly lower)
+    db0 += tl.sum(dL00 * A00, axis=1)
+    db1 += tl.sum(dL10 * A10 + dL11 * A11, axis=1)
     tl.store(dbeta + tok * H + i_h, db0.to(dbeta.dtype.element_ty), mask=m0)
     tl.store(dbeta + (tok + S) * H + i_h, db1.to(dbeta.dtype.element_ty), mask=m1)
+    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
+    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
     _store_blocks(dA, offc0, m0, m1, dL00 * beta0[:, None], dL10 * beta1[:, None], dL11 * beta1[:, None], H, C)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
@@ -496,23 +497,17 @@ def _dqkg_bwd(
 ):
     """Per (K block, chunk, head): dq, dk and dg of the block.
 
-    State terms: dQg = dO S^T (O's scale (Q⊙exp(G)) S), dKd = Delta dS^T (the update
-    (K⊙exp(G_last - G))^T Delta), dKg = -dv S^T (Vt's (K⊙exp(G)) S). Pair terms of A and Aq from the
-    ``_dA_bwd`` blocks with the forward's rebasing. dg = reverse cumsum of dG over the chunk (per channel).
+    State terms: dKd = Delta dS^T (the update (K⊙exp(G_last - G))^T Delta), dQg = dO S^T (O's
+    scale (Q⊙exp(G)) S), dKg = -dv S^T (Vt's (K⊙exp(G)) S). Pair terms of A and Aq from the ``_dA_bwd``
+    blocks with the forward's rebasing. dg = reverse cumsum of dG over the chunk (per channel).
     """
     i_kb, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     S: tl.constexpr = C // 2
-    R: tl.constexpr = (S - 1) // 2
     rows = tl.arange(0, S)
     m0 = rows < n_valid
     m1 = rows + S < n_valid
     tok = t0 + rows
-    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    dA00, dA10, dA11 = _load_blocks(dA, offc0, m0, m1, H, C)
-    dAq00, dAq10, dAq11 = _load_blocks(dAq, offc0, m0, m1, H, C)
-    d_ii0 = tl.load(dii + tok * H + i_h, mask=m0, other=0.0)
-    d_ii1 = tl.load(dii + (tok + S) * H + i_h, mask=m1, other=0.0)
     rk = i_kb * BK + tl.arange(0, BK)
     m_k = rk < K
     hbase = (i_c * H + i_h) * K * V
@@ -547,23 +542,44 @@ def _dqkg_bwd(
     off1 = off0 + S * H * K
     msk0 = m0[:, None] & m_k[None, :]
     msk1 = m1[:, None] & m_k[None, :]
-    q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
-    q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
+    Gr0, Gr1, Gb, g_last = _ref_rows(Gc, t0, n_valid, i_h, rk, m_k, H, K, S)
+    G0, G1 = _load_G(Gc, off0, off1, msk0, msk1, g_last)
     k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
     k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-    G0, G1, g_last = _load_G(Gc, off0, off1, msk0, msk1, rows, n_valid, S)
+    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay.
+    ed0 = tl.exp(g_last[None, :] - G0)
+    ed1 = tl.exp(g_last[None, :] - G1)
+    dk0 = dKd0 * ed0
+    dk1 = dKd1 * ed1
+    last0 = (rows == n_valid - 1)[:, None]
+    last1 = (rows + S == n_valid - 1)[:, None]
+    x0 = tl.where(last0, 0.0, dk0 * k0)
+    x1 = tl.where(last1, 0.0, dk1 * k1)
+    dGl = dGs * tl.exp(g_last) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
+    dG0 = tl.where(last0, dGl[None, :], -x0)
+    dG1 = tl.where(last1, dGl[None, :], -x1)
+    # Vt's (K⊙exp(G)) S and O's scale (Q⊙exp(G)) S
+    q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
+    q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
     e0 = tl.exp(G0)
     e1 = tl.exp(G1)
+    dk0 += dKg0 * e0
+    dk1 += dKg1 * e1
     dq0 = dQg0 * e0 * scale
     dq1 = dQg1 * e1 * scale
-    dG0 = dKg0 * k0 * e0 + dq0 * q0
-    dG1 = dKg1 * k1 * e1 + dq1 * q1
+    dG0 += dKg0 * e0 * k0 + dq0 * q0
+    dG1 += dKg1 * e1 * k1 + dq1 * q1
+    d_ii0 = tl.load(dii + tok * H + i_h, mask=m0, other=0.0)
+    d_ii1 = tl.load(dii + (tok + S) * H + i_h, mask=m1, other=0.0)
     dq0 += d_ii0[:, None] * k0
     dq1 += d_ii1[:, None] * k1
-    dk0 = dKg0 * e0 + d_ii0[:, None] * q0
-    dk1 = dKg1 * e1 + d_ii1[:, None] * q1
+    dk0 += d_ii0[:, None] * q0
+    dk1 += d_ii1[:, None] * q1
     # dense pair terms of A and Aq: diagonal blocks rebased on the half's middle row, blocks 10 on b
-    up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, rows, R, S)
+    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    dA00, dA10, dA11 = _load_blocks(dA, offc0, m0, m1, H, C)
+    dAq00, dAq10, dAq11 = _load_blocks(dAq, offc0, m0, m1, H, C)
+    up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, Gr0, Gr1, Gb)
     kdn0 = _op(k0 * dn0, F32)
     kdn1 = _op(k1 * dn1, F32)
     kb0 = _op(k0 * eb0, F32)
@@ -580,18 +596,6 @@ def _dqkg_bwd(
     dk1 += dk_r1 + dk_c1
     dG0 += q0 * dq_p0 + k0 * (dk_r0 - dk_c0)
     dG1 += q1 * dq_p1 + k1 * (dk_r1 - dk_c1)
-    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
-    ed0 = tl.exp(g_last[None, :] - G0)
-    ed1 = tl.exp(g_last[None, :] - G1)
-    dk0 += dKd0 * ed0
-    dk1 += dKd1 * ed1
-    last0 = (rows == n_valid - 1)[:, None]
-    last1 = (rows + S == n_valid - 1)[:, None]
-    x0 = tl.where(last0, 0.0, dKd0 * k0 * ed0)
-    x1 = tl.where(last1, 0.0, dKd1 * k1 * ed1)
-    dGl = dGs * tl.exp(g_last) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
-    dG0 += tl.where(last0, dGl[None, :], -x0)
-    dG1 += tl.where(last1, dGl[None, :], -x1)
     dg1 = tl.cumsum(dG1, axis=0, reverse=True)
     dg0 = tl.cumsum(dG0, axis=0, reverse=True) + tl.sum(dG1, axis=0)[None, :]
     tl.store(dq + off0, dq0.to(dq.dtype.element_ty), mask=msk0)
@@ -652,16 +656,19 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 
 
 def launch_cfg(K: int, V: int) -> dict[str, dict[str, int]]:
-    """Block sizes and warps of every kernel: fixed functions of K and V, never of T (a new sequence length
-    compiles nothing). The scans keep their state tile [BK, BV] in registers; BV = 32 gives more programs
-    (the scans are latency-bound when B * H is small)."""
+    """Block sizes, warps and pipeline stages of every kernel: fixed functions of K and V, never of T (a new
+    sequence length compiles nothing). The scans keep their state tile [BK, BV] in registers; BV = 32 gives
+    more programs (they are latency-bound when B * H is small); at K = 256 fewer stages keep the pipelined
+    operands within the 227 KB of shared memory."""
     BK, BV = _pow2(K), _pow2(V)
     return {
-        "intra": dict(BK=min(32, BK), BV=min(64, BV), num_warps=8),
-        "scan": dict(BK=BK, BV=min(BV, 32), num_warps=4 if BK <= 128 else 8),
+        "cumsum": dict(BK=min(64, BK), num_warps=4),
+        "intra": dict(BK=min(32, BK), BV=min(64, BV), num_warps=4),
+        "scan_fwd": dict(BK=BK, BV=min(BV, 32), num_warps=4 if BK <= 128 else 8, num_stages=3 if BK <= 128 else 2),
         "out": dict(BK=min(64, BK), BV=min(64, BV), num_warps=8),
-        "dA": dict(BK=min(32, BK), BV=min(64, BV), num_warps=8),
-        "dqkg": dict(BK=min(32, BK), BV=min(64, BV), num_warps=4),
+        "scan_bwd": dict(BK=BK, BV=min(BV, 32), num_warps=4 if BK <= 128 else 8, num_stages=3 if BK <= 128 else 1),
+        "dA": dict(BK=min(32, BK), BV=min(32, BV), num_warps=4),
+        "dqkg": dict(BK=min(16, BK), BV=min(64, BV), num_warps=8),
     }
 
 
@@ -671,10 +678,10 @@ def chunk_fwd(
 ) -> tuple[torch.Tensor, ...]:
     """Forward launches. Inputs ``[B, T, H, *]`` contiguous, C in {32, 64}.
 
-    Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``: o ``[B, T, H, V]``, ht ``[N, H, K, V]`` float32 and
-    the tensors the backward needs: Gc ``[B, T, H, K]`` float32, Aq ``[B, T, H, C]`` (work dtype),
-    Mi ``[B, T, H, C]`` float32, W, Kd, Qg ``[B, T, H, K]``, h ``[max_chunks, H, K, V]``, D ``[B, T, H, V]``
-    (work dtype: bfloat16, float32 for float32 inputs).
+    Returns ``(o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D)``: o ``[B, T, H, V]``, ht ``[N, H, K, V]`` float32
+    and the tensors the backward needs: Gc ``[B, T, H, K]`` float32, Akk ``[B, T, H, C]`` float32, Aq
+    ``[B, T, H, C]`` (work dtype), Mi ``[B, T, H, C]`` float32, W, Kd, Qg ``[B, T, H, K]``, h
+    ``[max_chunks, H, K, V]``, D ``[B, T, H, V]`` (work dtype: bfloat16, float32 for float32 inputs).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -683,6 +690,7 @@ def chunk_fwd(
     wdt = _work_dtype(q.dtype)
     F32 = _f32_operands(q.dtype)
     Gc = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
+    Akk = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     Aq = torch.empty(B, T, H, C, device=q.device, dtype=wdt)
     Mi = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
@@ -695,23 +703,24 @@ def chunk_fwd(
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
+        return o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D
     cfg = launch_cfg(K, V)
-    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C, F32=F32,
-                        **cfg["intra"])
-    _scan_fwd[(triton.cdiv(V, cfg["scan"]["BV"]), N * H)](
+    _cumsum_fwd[(NC, H)](g, Gc, cu, cidx, H=H, K=K, C=C, **cfg["cumsum"])
+    _intra_fwd[(NC, H)](k, v, q, beta, Gc, Akk, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C,
+                        F32=F32, **cfg["intra"])
+    _scan_fwd[(triton.cdiv(V, cfg["scan_fwd"]["BV"]), N * H)](
         Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, F32=F32, **cfg["scan"])
+        STORE_HT=output_final_state, F32=F32, **cfg["scan_fwd"])
     _out_fwd[(triton.cdiv(V, cfg["out"]["BV"]), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, F32=F32,
                                                       **cfg["out"])
-    return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
+    return o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D
 
 
 def chunk_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
-    Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor, D: torch.Tensor,
-    do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None,
-    C: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Akk: torch.Tensor,
+    Aq: torch.Tensor, Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor,
+    D: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float,
+    cu_seqlens: torch.Tensor | None, C: int,
 ) -> tuple[torch.Tensor, ...]:
     """Backward launches (the forward's saved tensors, see :func:`chunk_fwd`).
 
@@ -734,14 +743,14 @@ def chunk_bwd(
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     cfg = launch_cfg(K, V)
-    _scan_bwd[(triton.cdiv(V, cfg["scan"]["BV"]), N * H)](
+    _scan_bwd[(triton.cdiv(V, cfg["scan_bwd"]["BV"]), N * H)](
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, HAS_DHT=dht is not None,
-        STORE_DH0=need_dh0, F32=F32, **cfg["scan"])
+        STORE_DH0=need_dh0, F32=F32, **cfg["scan_bwd"])
     dA = torch.empty(B, T, H, C, device=q.device, dtype=wdt)  # Diag(beta) dL, blocks 00, 10, 11
     dAq = torch.empty(B, T, H, C, device=q.device, dtype=wdt)  # scale * dAq without its diagonal
     dii = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # scale * diag(dAq)
-    _dA_bwd[(NC, H)](k, v, beta, Gc, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale, H=H, K=K, V=V,
-                     C=C, F32=F32, **cfg["dA"])
+    _dA_bwd[(NC, H)](k, v, beta, Gc, Akk, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale, H=H, K=K,
+                     V=V, C=C, F32=F32, **cfg["dA"])
     _dqkg_bwd[(triton.cdiv(K, cfg["dqkg"]["BK"]), NC, H)](
         q, k, Gc, h, dh, D, do, dv, dA, dAq, dii, dq, dk, dg, cu, cidx, scale, H=H, K=K, V=V, C=C, F32=F32,
         **cfg["dqkg"])
