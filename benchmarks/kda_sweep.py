@@ -25,13 +25,13 @@ from k3lit.kernels.kda import chunk, kda_triton  # noqa: E402
 
 SWEEP_SHAPES = [(8, 2048, 16, 128), (1, 65536, 16, 128)]  # (B, T, H, D)
 BREAKDOWN_SHAPES = SWEEP_SHAPES + [(1, 8192, 96, 128), (8, 2048, 32, 256)]
-KERNELS = {"intra": ("_intra_fwd",), "scan": ("_scan_fwd", "_scan_bwd"), "out": ("_out_fwd",),
-           "dA": ("_dA_bwd",), "dqkg": ("_dqkg_bwd",)}
+KERNELS = {"cumsum": ("_cumsum_fwd",), "intra": ("_intra_fwd",), "scan_fwd": ("_scan_fwd",), "out": ("_out_fwd",),
+           "scan_bwd": ("_scan_bwd",), "dA": ("_dA_bwd",), "dqkg": ("_dqkg_bwd",)}
 CANDIDATES = [  # most informative first: a run may stop part-way
-    ("scan", dict(BV=16)), ("dqkg", dict(BK=16, num_warps=8)), ("dA", dict(BV=32)), ("scan", dict(num_stages=1)),
-    ("scan", dict(num_warps=8)), ("intra", dict(num_warps=4)), ("dqkg", dict(num_warps=8)),
-    ("dA", dict(BK=16, BV=32)), ("scan", dict(BV=64)), ("out", dict(num_warps=4)), ("intra", dict(BK=64)),
-    ("dqkg", dict(BK=64, num_warps=8)),
+    ("intra", dict(num_warps=8)), ("dqkg", dict(BK=32, num_warps=4)), ("dA", dict(num_warps=8)),
+    ("scan_fwd", dict(BV=16)), ("scan_bwd", dict(BV=16)), ("dA", dict(BV=64)), ("dqkg", dict(BK=32, num_warps=8)),
+    ("intra", dict(BK=64, num_warps=8)), ("scan_fwd", dict(num_warps=8)), ("scan_bwd", dict(num_warps=8)),
+    ("out", dict(num_warps=4)), ("scan_fwd", dict(BV=64)),
 ]
 
 
@@ -72,7 +72,11 @@ def main() -> None:
     print("| B | T | H | D | kernel | ms | share |\n|---|---|---|---|---|---|---|")
     base = {}
     for shape in BREAKDOWN_SHAPES:
-        t = kernel_ms(*shape)
+        try:
+            t = kernel_ms(*shape)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the other shapes
+            print(f"| {' | '.join(map(str, shape))} | failed: {exc!r} | | |")
+            continue
         base[shape] = t
         total = sum(t.values())
         for name, ms in sorted(t.items(), key=lambda x: -x[1]):
@@ -90,7 +94,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for one candidate
                 print(f"| {' | '.join(map(str, shape))} | {family} | {override} | failed: {type(exc).__name__} |")
                 continue
-            cells = ", ".join(f"{k} {base[shape].get(k, float('nan')):.3f} -> {t.get(k, float('nan')):.3f}"
+            cells = ", ".join(f"{k} {base.get(shape, {}).get(k, float('nan')):.3f} -> {t.get(k, float('nan')):.3f}"
                               for k in KERNELS[family])
             print(f"| {' | '.join(map(str, shape))} | {family} | {override} | {cells} |", flush=True)
 

@@ -8,13 +8,19 @@ state scans step over whole chunks; inside a chunk every block is a dense ``tl.d
     A    = tril(K⊙exp(G) · (K⊙exp(-G))^T, -1)        strictly lower [C, C]; three [S, S] blocks:
              A00, A11: operands rebased on the half's own middle row r_h = S_h + (S - 1) // 2
                        (K⊙exp(G - G_r), K⊙exp(G_r - G): |exponent| <= |g_min| * ceil((S - 1) / 2))
-             A10:      rebased on the boundary row b = S - 1 (K1⊙exp(G1 - G_b) and K0⊙exp(G_b - G0), both <= 1)
+             A10:      rebased on the boundary row b = S - 1 (K1⊙exp(G1 - G_b) and K0⊙exp(G_b - G0), both <= 1;
+                       an underflowing factor bounds a product below e^-87)
     Aq   = scale * tril(Q⊙exp(G) · (K⊙exp(-G))^T)     diagonal included, the same three blocks
     M    = (I + Diag(beta) A)^-1:   M00, M11 by forward substitution, M10 = -M11 (Diag(beta) A)10 M00
     W    = M Diag(beta) (K⊙exp(G)),   U = M Diag(beta) V
     Delta = U - W S
     O    = scale (Q⊙exp(G)) S + Aq Delta
     S'   = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
+
+Numeric argument (README.md): with g in [g_min, 0], the largest exponent formed is
+``E(g_min, S) = |g_min| * ceil((S - 1) / 2)``, which must stay <= 88 (exp overflows float32 and bfloat16 at
+88.7): halves of S = 32 (C = 64) for g_min >= -5.5 (E = 80 at the default -5), of S = 16 (C = 32) for
+g_min >= -11.
 
 Kernels (forward): ``_cumsum_fwd`` (per chunk: G), ``_intra_fwd`` (per chunk: A, Aq, M, W, U),
 ``_scan_fwd`` (per sequence and value block: the sequential state recurrence, stores every chunk's entering
