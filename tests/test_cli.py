@@ -73,6 +73,7 @@ def test_cluster_recipe_header_counts_the_model(recipe):
         r"([\d.]+)B active", text.replace("\n# ", " ")).groups()
     cfg = ModelConfig(**{**yaml.safe_load(text)["model"], "vocab_size": int(vocab)})
     with torch.device("meta"):
+        assert torch.empty(0).is_meta, "torch.device('meta') is ignored in this process: see tests/conftest.py"
         model = K3LM(cfg)
     n_experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     n_total = sum(p.numel() for p in model.parameters())
