@@ -17,7 +17,7 @@ import torch
 
 from k3lit.kernels.kda.chunk import chunk_bwd, chunk_fwd, max_chunks
 from k3lit.kernels.kda.fused_recurrent import fused_recurrent_fwd
-from k3lit.ops.kda.validate import check_halves_bound, check_inputs, largest_safe_halves_chunk
+from k3lit.ops.kda.validate import check_gate_bound, check_inputs, largest_safe_chunk
 
 _Opt = torch.Tensor | None
 
@@ -31,8 +31,8 @@ def _kda_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: _Opt, output_final_state: bool, cu_seqlens: _Opt, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D)``; everything after ht is saved for the backward."""
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``; everything after ht is saved for the backward."""
     return chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
 
@@ -49,7 +49,6 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
         q.new_empty(N, H, K, V, dtype=f32),
         q.new_empty(B, T, H, K, dtype=f32),
         q.new_empty(B, T, H, C, dtype=f32),
-        q.new_empty(B, T, H, C, dtype=wdt),
         q.new_empty(B, T, H, C, dtype=f32),
         q.new_empty(B, T, H, K, dtype=wdt),
         q.new_empty(B, T, H, K, dtype=wdt),
@@ -61,18 +60,17 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
 
 @torch.library.custom_op("k3lit::kda_chunk_bwd", mutates_args=())
 def _kda_chunk_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Akk: torch.Tensor,
-    Aq: torch.Tensor, Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor,
-    D: torch.Tensor, do: torch.Tensor, dht: _Opt,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
+    Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor, D: torch.Tensor,
+    do: torch.Tensor, dht: _Opt,
     need_dh0: bool, scale: float, cu_seqlens: _Opt, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv, dg, dbeta, dh0)``."""
-    return chunk_bwd(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens,
-                     chunk_size)
+    return chunk_bwd(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens, chunk_size)
 
 
 @_kda_chunk_bwd.register_fake
-def _(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens, chunk_size):
+def _(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale, cu_seqlens, chunk_size):
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), q.new_empty(B, T, H, K,
@@ -81,19 +79,19 @@ def _(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do, dht, need_dh0, scale,
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size = inputs
-    _, _, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D = output
-    ctx.save_for_backward(q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens)
+    _, _, Gc, Aq, Mi, W, Kd, Qg, h, D = output
+    ctx.save_for_backward(q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens)
     ctx.scale, ctx.chunk_size = scale, chunk_size
     ctx.has_h0 = initial_state is not None
     ctx.g_dtype = g.dtype
 
 
 def _backward(ctx, do, dht, *_unused):
-    q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens = ctx.saved_tensors
+    q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, cu_seqlens = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = _kda_chunk_bwd(
-        q, k, v, beta, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D, do.contiguous(), None if dht is None else dht.contiguous(),
+        q, k, v, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, do.contiguous(), None if dht is None else dht.contiguous(),
         ctx.has_h0, ctx.scale, cu_seqlens, ctx.chunk_size)
     return dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None
 
@@ -128,26 +126,24 @@ def kda_triton(
             sequences with ``cu_seqlens``); receives a gradient.
         output_final_state: also return the ``[N, H, K, V]`` float32 state after the last token.
         cu_seqlens: ``[N + 1]`` int64 (or int32) cumulative lengths of a packed batch; then B must be 1.
-        g_min: the lower bound the gate guarantees; fixes the chunk size (README.md): 64 for
-            g_min >= -5.5, 32 for g_min >= -11.
-        chunk_size: override (32 or 64: two halves of 16 or 32 rows); must be safe for g_min.
+        g_min: the lower bound the gate guarantees; fixes the chunk size (README.md).
+        chunk_size: override (16, 32 or 64); must be safe for g_min.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
 
     Raises:
         ValueError: mismatched shapes or dtypes, K or V above 256, an unsupported chunk size, or a g_min
-            for which ``exp(±(G - G_r))`` could overflow (``|g_min| * ceil((C / 2 - 1) / 2) > 88``, i.e.
-            g_min < -11 even at C = 32).
+            for which ``exp(±(G - G_r))`` could overflow (``|g_min| * ceil((C - 1) / 2) > 88`` even at C = 16).
 
     The gate is not checked against g_min on the device (that would synchronise); a g below g_min can
     produce inf/nan.
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    C = largest_safe_halves_chunk(g_min) if chunk_size is None else chunk_size
-    if C not in (32, 64):
-        raise ValueError(f"chunk_size must be 32 or 64, got {C}")
-    check_halves_bound(g_min, C)
+    C = largest_safe_chunk(g_min) if chunk_size is None else chunk_size
+    if C not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {C}")
+    check_gate_bound(g_min, C)
     K, V = q.shape[-1], v.shape[-1]
     if K > 256 or V > 256:
         raise ValueError(f"kda_triton supports K, V <= 256, got K={K}, V={V}")

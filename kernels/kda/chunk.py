@@ -1,41 +1,29 @@
 """Chunked KDA in Triton: forward and backward kernels plus their host launchers.
 
-Every sequence is split into chunks of C tokens (C = 64, or 32 for strong gate bounds; README.md). The
-state scans step over whole chunks; inside a chunk every block is a dense ``tl.dot`` on two halves of
-``S = C / 2`` rows. With ``G`` the in-chunk cumulative log-decay, ``S`` the state entering the chunk
-(REFERENCE.md §1) and the halves 0 (rows ``[0, S)``) and 1 (rows ``[S, C)``)::
+Every sequence is split into chunks of C tokens (C = 16, 32 or 64, the largest that the gate bound makes
+safe, see README.md). Per chunk and head, with ``G`` the in-chunk cumulative log-decay, ``r = (C - 1) // 2``
+its middle row and ``S`` the state entering the chunk (REFERENCE.md §1)::
 
-    A    = tril(K⊙exp(G) · (K⊙exp(-G))^T, -1)        strictly lower [C, C]; three [S, S] blocks:
-             A00, A11: operands rebased on the half's own middle row r_h = S_h + (S - 1) // 2
-                       (K⊙exp(G - G_r), K⊙exp(G_r - G): |exponent| <= |g_min| * ceil((S - 1) / 2))
-             A10:      rebased on the boundary row b = S - 1 (K1⊙exp(G1 - G_b) and K0⊙exp(G_b - G0), both <= 1;
-                       an underflowing factor bounds a product below e^-87)
-    Aq   = scale * tril(Q⊙exp(G) · (K⊙exp(-G))^T)     diagonal included, the same three blocks
-    M    = (I + Diag(beta) A)^-1:   M00, M11 by forward substitution, M10 = -M11 (Diag(beta) A)10 M00
+    A    = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)          dense tl.dot, no diagonal special case
+    Aq   = scale * tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)
+    M    = (I + Diag(beta) A)^-1                                    forward substitution in registers
     W    = M Diag(beta) (K⊙exp(G)),   U = M Diag(beta) V
     Delta = U - W S
     O    = scale (Q⊙exp(G)) S + Aq Delta
     S'   = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
 
-Numeric argument (README.md): with g in [g_min, 0], the largest exponent formed is
-``E(g_min, S) = |g_min| * ceil((S - 1) / 2)``, which must stay <= 88 (exp overflows float32 and bfloat16 at
-88.7): halves of S = 32 (C = 64) for g_min >= -5.5 (E = 80 at the default -5), of S = 16 (C = 32) for
-g_min >= -11.
-
-Kernels (forward): ``_cumsum_fwd`` (per chunk: G), ``_intra_fwd`` (per chunk: A, Aq, M, W, U),
-``_scan_fwd`` (per sequence and value block: the sequential state recurrence, stores every chunk's entering
-state and Delta), ``_out_fwd`` (per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS
-per chunk and dDelta), ``_dA_bwd`` (per chunk: dv, dbeta and the pair-term gradients), ``_dqkg_bwd`` (per
-chunk and K block: dq, dk, dg). Precision: exponentials, cumulative sums, A, the inverse and the states in
-float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32 accumulation.
+Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, M, W, U), ``_scan_fwd`` (per sequence and value
+block: the sequential state recurrence, stores every chunk's entering state and Delta), ``_out_fwd``
+(per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS per chunk and dDelta),
+``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). Precision: exponentials, cumulative sums, the inverse
+and the states in float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32
+accumulation.
 
 Every launcher works on a packed layout ``[1, T_total, H, X]``; a dense ``[B, T]`` batch is the packed batch
 with ``cu_seqlens = [0, T, 2T, ...]``. Chunk metadata: ``chunk_idx [NC, 2]`` = (sequence, chunk in the
 sequence) for every chunk, ``chunk_off [N + 1]`` = first global chunk of each sequence. Per-chunk buffers
 (states) are allocated with the static upper bound ``T_total // C + N`` rows so that their shapes never
-depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that). The ``[T, H, C]`` buffers
-(``Akk``, ``Aq``, ``Mi``, ``dA``, ``dAq``) hold each token's row of its chunk's matrix; their upper-right
-``[S, S]`` block is zero by structure and is never written nor read.
+depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
 """
 
 from __future__ import annotations
@@ -57,6 +45,12 @@ def _op(x, F32: tl.constexpr):
 
 
 @triton.jit
+def _row(x, rows, i):
+    """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
+    return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
 def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
     i_t = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
@@ -67,187 +61,73 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     return i_n, t0, n_valid
 
 
-@triton.jit
-def _load_blocks(x, offc0, m0, m1, H: tl.constexpr, C: tl.constexpr):
-    """The three stored ``[S, S]`` blocks (00, 10, 11) of a chunk's lower block-triangular matrix."""
-    S: tl.constexpr = C // 2
-    offc1 = offc0 + S * H * C
-    return (tl.load(x + offc0, mask=m0[:, None], other=0.0), tl.load(x + offc1, mask=m1[:, None], other=0.0),
-            tl.load(x + offc1 + S, mask=m1[:, None], other=0.0))
-
-
-@triton.jit
-def _store_blocks(x, offc0, m0, m1, X00, X10, X11, H: tl.constexpr, C: tl.constexpr):
-    S: tl.constexpr = C // 2
-    offc1 = offc0 + S * H * C
-    tl.store(x + offc0, X00.to(x.dtype.element_ty), mask=m0[:, None])
-    tl.store(x + offc1, X10.to(x.dtype.element_ty), mask=m1[:, None])
-    tl.store(x + offc1 + S, X11.to(x.dtype.element_ty), mask=m1[:, None])
-
-
-@triton.jit
-def _ref_rows(Gc, t0, n_valid, i_h, rk, m_k, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr):
-    """The rows of the cumulative log-decay ``Gc`` that one K block is rebased on, loaded as ``[BK]`` vectors:
-    ``(G_r0, G_r1, G_b, G_last)`` with r_h = S_h + (S - 1) // 2 the middle row of half h, b = S - 1 the
-    boundary and G_last the chunk's last valid row. A reference row past the chunk's end stands for G_last,
-    the value the zero-padded cumsum carried there."""
-    R: tl.constexpr = (S - 1) // 2
-    last = n_valid - 1
-    base = Gc + (t0 * H + i_h) * K + rk
-    return (tl.load(base + tl.minimum(R, last) * (H * K), mask=m_k, other=0.0),
-            tl.load(base + tl.minimum(S + R, last) * (H * K), mask=m_k, other=0.0),
-            tl.load(base + tl.minimum(S - 1, last) * (H * K), mask=m_k, other=0.0),
-            tl.load(base + last * (H * K), mask=m_k, other=0.0))
-
-
-@triton.jit
-def _load_G(Gc, off0, off1, msk0, msk1, g_last):
-    """Stored cumulative log-decay of one K block as the halves ``(G0, G1)``; rows past the chunk's end hold
-    G_last (as the zero-padded cumsum did), so that every rebased exponential of a padded row stays bounded."""
-    G0 = tl.load(Gc + off0, mask=msk0, other=0.0)
-    G1 = tl.load(Gc + off1, mask=msk1, other=0.0)
-    return tl.where(msk0, G0, g_last[None, :]), tl.where(msk1, G1, g_last[None, :])
-
-
-@triton.jit
-def _pair_operands(G0, G1, Gr0, Gr1, Gb):
-    """Rebasing factors of one K block: ``(up0, dn0, up1, dn1, e1b, eb0)``.
-
-    ``up_h = exp(G_h - G_{r_h})`` and ``dn_h = exp(G_{r_h} - G_h)`` rebase half h on its middle row r_h
-    (bounded by exp(|g_min| * ceil((S - 1) / 2))); ``e1b = exp(G1 - G_b)`` and ``eb0 = exp(G_b - G0)``
-    rebase the off-diagonal block on the boundary row b = S - 1 (both <= 1)."""
-    return (tl.exp(G0 - Gr0[None, :]), tl.exp(Gr0[None, :] - G0), tl.exp(G1 - Gr1[None, :]),
-            tl.exp(Gr1[None, :] - G1), tl.exp(G1 - Gb[None, :]), tl.exp(Gb[None, :] - G0))
-
-
-@triton.jit
-def _unit_lower_inv(Akk, beta, tok_b, col_b, n_b, i_h, H: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
-    """``(I + Diag(beta) A)^-1`` of one diagonal ``[S, S]`` block, A strictly lower and stored in ``Akk``
-    (block rows are tokens ``tok_b + i``, columns ``col_b + j``; ``n_b`` of its rows are valid).
-
-    Forward substitution in column form: ``Y = M^T`` obeys ``Y[:, i] = e_i - beta_i Y A[i, :]^T`` for
-    i = 1 .. S - 1 (exact, A being strictly lower). Each step reads row i of A from memory (independent of Y,
-    so the unrolled loads are issued early) and reduces along the rows of Y, within a warp: no exchange
-    between warps on the sequential path."""
-    rows = tl.arange(0, S)
-    Y = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in tl.static_range(1, S):
-        a_i = tl.load(Akk + (tok_b + i) * (H * C) + i_h * C + col_b + rows, mask=(rows < i) & (i < n_b), other=0.0)
-        b_i = tl.load(beta + (tok_b + i) * H + i_h, mask=i < n_b, other=0.0).to(tl.float32)
-        s = tl.sum(Y * a_i[None, :], axis=1) * b_i
-        Y = tl.where(rows[None, :] == i, (rows == i).to(tl.float32)[:, None] - s[:, None], Y)
-    return tl.trans(Y)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _cumsum_fwd(
-    g, Gc, cu, cidx,
-    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-):
-    """Per (chunk, head): Gc = in-chunk cumulative sum of g over the tokens (float32, padded rows not written)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    rows = tl.arange(0, C)
-    for kb in range(0, K, BK):
-        rk = kb + tl.arange(0, BK)
-        off = (t0 + rows)[:, None] * (H * K) + i_h * K + rk[None, :]
-        msk = (rows < n_valid)[:, None] & (rk < K)[None, :]
-        tl.store(Gc + off, tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0), mask=msk)
-
-
-@triton.jit
 def _intra_fwd(
-    k, v, q, beta, Gc, Akk, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale,
+    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (chunk, head), from Gc: A (stored, float32), Aq (scaled), M = (I + Diag(beta) A)^-1, W, U, and the
-    scan's operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). In every [T, H, *] buffer the rows of
-    half 1 are those of half 0 shifted by S tokens."""
+    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U, and the scan's
+    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    S: tl.constexpr = C // 2
-    rows = tl.arange(0, S)
-    m0 = rows < n_valid
-    m1 = rows + S < n_valid
+    R: tl.constexpr = (C - 1) // 2
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
     tok = t0 + rows
-    A00 = tl.zeros([S, S], dtype=tl.float32)
-    A11 = tl.zeros([S, S], dtype=tl.float32)
-    A10 = tl.zeros([S, S], dtype=tl.float32)
-    B00 = tl.zeros([S, S], dtype=tl.float32)
-    B11 = tl.zeros([S, S], dtype=tl.float32)
-    B10 = tl.zeros([S, S], dtype=tl.float32)
+    A = tl.zeros([C, C], dtype=tl.float32)
+    B_qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        rk = kb + tl.arange(0, BK)
-        m_k = rk < K
-        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        off1 = off0 + S * H * K
-        msk0 = m0[:, None] & m_k[None, :]
-        msk1 = m1[:, None] & m_k[None, :]
-        Gr0, Gr1, Gb, g_last = _ref_rows(Gc, t0, n_valid, i_h, rk, m_k, H, K, S)
-        G0, G1 = _load_G(Gc, off0, off1, msk0, msk1, g_last)
-        k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
-        k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-        q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
-        q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
-        tl.store(Kd + off0, (k0 * tl.exp(g_last[None, :] - G0)).to(Kd.dtype.element_ty), mask=msk0)
-        tl.store(Kd + off1, (k1 * tl.exp(g_last[None, :] - G1)).to(Kd.dtype.element_ty), mask=msk1)
-        tl.store(Qg + off0, (q0 * tl.exp(G0) * scale).to(Qg.dtype.element_ty), mask=msk0)
-        tl.store(Qg + off1, (q1 * tl.exp(G1) * scale).to(Qg.dtype.element_ty), mask=msk1)
-        up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, Gr0, Gr1, Gb)
-        kdn0 = tl.trans(_op(k0 * dn0, F32))
-        kdn1 = tl.trans(_op(k1 * dn1, F32))
-        kb0 = tl.trans(_op(k0 * eb0, F32))
-        A00 += tl.dot(_op(k0 * up0, F32), kdn0)
-        B00 += tl.dot(_op(q0 * up0, F32), kdn0)
-        A11 += tl.dot(_op(k1 * up1, F32), kdn1)
-        B11 += tl.dot(_op(q1 * up1, F32), kdn1)
-        A10 += tl.dot(_op(k1 * e1b, F32), kb0)
-        B10 += tl.dot(_op(q1 * e1b, F32), kb0)
-    # Entries above a diagonal block's diagonal may be inf/nan (late row, early column); where selects.
-    lo = rows[:, None] > rows[None, :]
-    le = rows[:, None] >= rows[None, :]
-    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    _store_blocks(Aq, offc0, m0, m1, tl.where(le, B00, 0.0) * scale, B10 * scale, tl.where(le, B11, 0.0) * scale,
-                  H, C)
-    _store_blocks(Akk, offc0, m0, m1, tl.where(lo, A00, 0.0), A10, tl.where(lo, A11, 0.0), H, C)
-    tl.debug_barrier()  # the inversions read back rows of A that other warps stored
-    M00 = _unit_lower_inv(Akk, beta, t0, 0, n_valid, i_h, H, C, S)
-    M11 = _unit_lower_inv(Akk, beta, t0 + S, S, n_valid - S, i_h, H, C, S)
-    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
-    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
-    M10 = -tl.dot(tl.dot(M11, A10 * beta1[:, None]), M00)  # float32 operands (tf32 on the GPU)
-    _store_blocks(Mi, offc0, m0, m1, M00, M10, M11, H, C)
-    X00 = _op(M00 * beta0[None, :], F32)  # M Diag(beta), by blocks
-    X10 = _op(M10 * beta0[None, :], F32)
-    X11 = _op(M11 * beta1[None, :], F32)
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
+        tl.store(Gc + off, b_G, mask=msk)
+        b_Gr = _row(b_G, rows, R)
+        up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
+        dn = tl.exp(b_Gr[None, :] - b_G)
+        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
+        g_last = _row(b_G, rows, n_valid - 1)
+        tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
+        tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
+        b_kdn = _op(b_k * dn, F32)
+        A += tl.dot(_op(b_k * up, F32), tl.trans(b_kdn))
+        B_qk += tl.dot(_op(b_q * up, F32), tl.trans(b_kdn))
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
+    L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
+    B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
+    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    tl.store(Aq + offc, B_qk, mask=m_t[:, None])
+    # (I + L)^-1 row by row: X_i = e_i - sum_{j<i} L_ij X_j (L strictly lower, so the loop is exact).
+    X = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, C):
+        l_i = _row(L, rows, i)
+        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
+        X = tl.where((rows == i)[:, None], x_i[None, :], X)
+    tl.store(Mi + offc, X, mask=m_t[:, None])
+    Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
     for kb in range(0, K, BK):
-        rk = kb + tl.arange(0, BK)
-        off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        off1 = off0 + S * H * K
-        msk0 = m0[:, None] & (rk < K)[None, :]
-        msk1 = m1[:, None] & (rk < K)[None, :]
-        kg0 = _op(tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
-                  * tl.exp(tl.load(Gc + off0, mask=msk0, other=0.0)), F32)
-        kg1 = _op(tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-                  * tl.exp(tl.load(Gc + off1, mask=msk1, other=0.0)), F32)
-        tl.store(W + off0, tl.dot(X00, kg0).to(W.dtype.element_ty), mask=msk0)
-        tl.store(W + off1, (tl.dot(X10, kg0) + tl.dot(X11, kg1)).to(W.dtype.element_ty), mask=msk1)
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
+        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        b_w = tl.dot(Xb, _op(b_k * tl.exp(b_G), F32))
+        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
     for vb in range(0, V, BV):
         cols = vb + tl.arange(0, BV)
-        off0 = tok[:, None] * (H * V) + i_h * V + cols[None, :]
-        off1 = off0 + S * H * V
-        msk0 = m0[:, None] & (cols < V)[None, :]
-        msk1 = m1[:, None] & (cols < V)[None, :]
-        v0 = _op(tl.load(v + off0, mask=msk0, other=0.0), F32)
-        v1 = _op(tl.load(v + off1, mask=msk1, other=0.0), F32)
-        tl.store(U + off0, tl.dot(X00, v0).to(U.dtype.element_ty), mask=msk0)
-        tl.store(U + off1, (tl.dot(X10, v0) + tl.dot(X11, v1)).to(U.dtype.element_ty), mask=msk1)
+        msk = m_t[:, None] & (cols < V)[None, :]
+        off = tok[:, None] * (H * V) + i_h * V + cols[None, :]
+        b_v = tl.load(v + off, mask=msk, other=0.0)
+        b_u = tl.dot(Xb, _op(b_v, F32))
+        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -295,15 +175,6 @@ def _scan_fwd(
 
 
 @triton.jit
-def _load_chunk_rows(x, tok, rows, m_t, H: tl.constexpr, C: tl.constexpr, i_h):
-    """A token's row of its chunk's ``[C, C]`` matrix from a ``[T, H, C]`` buffer, the never-written
-    upper-right ``[S, S]`` block read as zeros."""
-    S: tl.constexpr = C // 2
-    m = m_t[:, None] & ((rows[:, None] >= S) | (rows[None, :] < S))
-    return tl.load(x + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m, other=0.0)
-
-
-@triton.jit
 def _out_fwd(
     Qg, Aq, D, h, o, cu, cidx,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -327,7 +198,8 @@ def _out_fwd(
         b_h = tl.load(h + (i_c * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc += tl.dot(_op(b_qg, F32), _op(b_h, F32))
-    b_a = _load_chunk_rows(Aq, tok, rows, m_t, H, C, i_h)
+    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    b_a = tl.load(Aq + offc, mask=m_t[:, None], other=0.0)
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
     mv = m_t[:, None] & m_v[None, :]
     b_d = tl.load(D + offv, mask=mv, other=0.0)
@@ -379,7 +251,7 @@ def _scan_bwd(
         offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
         mv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + offv, mask=mv, other=0.0)
-        b_a = _load_chunk_rows(Aq, tok, rows, m_t, H, C, i_h)
+        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
         b_dd = tl.dot(tl.trans(_op(b_a, F32)), _op(b_do, F32)) + tl.dot(_op(b_kd, F32), _op(dS, F32))
@@ -393,223 +265,141 @@ def _scan_bwd(
 
 
 @triton.jit
-def _dA_bwd(
-    k, v, beta, Gc, Akk, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale,
+def _main_bwd(
+    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale, plane,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (chunk, head): dv, dbeta, and the pair-term gradients the key side needs.
+    """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
 
-    Delta = M Y with Y = Diag(beta) Vt, Vt = V - (K⊙exp(G)) S, so with dy = M^T dDelta::
-
-        dv = Diag(beta) dy,   dL = -M^T (dDelta Y^T) M^T = -tril(dy Delta^T, -1),   dA = Diag(beta) dL
-        dbeta = rowsum(dy ⊙ Vt) + rowsum(dL ⊙ A),   dAq = tril(dO Delta^T)
-
-    Stores dA and scale * dAq without their diagonal (blocks 00, 10, 11 as ``Aq``) and the diagonal
-    ``dii = scale * diag(dO Delta^T)``. ``Xab`` names the [S, S] block of X with rows in half a, columns in b.
+    Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
+    K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T (kept in the float32
+    scratch ``scr [3, T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G), and A. Then
+    dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
+    rebasing as the forward), dG and dg = reverse cumsum of dG (per channel, so per block).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    S: tl.constexpr = C // 2
-    rows = tl.arange(0, S)
-    m0 = rows < n_valid
-    m1 = rows + S < n_valid
+    R: tl.constexpr = (C - 1) // 2
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
     tok = t0 + rows
-    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    M00, M10, M11 = _load_blocks(Mi, offc0, m0, m1, H, C)
-    M00t, M10t, M11t = tl.trans(M00), tl.trans(M10), tl.trans(M11)
+    m_lo = rows[:, None] > rows[None, :]
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
     hbase = (i_c * H + i_h) * K * V
-    dAq00 = tl.zeros([S, S], dtype=tl.float32)
-    dAq10 = tl.zeros([S, S], dtype=tl.float32)
-    dAq11 = tl.zeros([S, S], dtype=tl.float32)
-    dL00 = tl.zeros([S, S], dtype=tl.float32)
-    dL10 = tl.zeros([S, S], dtype=tl.float32)
-    dL11 = tl.zeros([S, S], dtype=tl.float32)
-    db0 = tl.zeros([S], dtype=tl.float32)
-    db1 = tl.zeros([S], dtype=tl.float32)
+    dAq = tl.zeros([C, C], dtype=tl.float32)
+    dM = tl.zeros([C, C], dtype=tl.float32)
+    A = tl.zeros([C, C], dtype=tl.float32)
+    db = tl.zeros([C], dtype=tl.float32)
     for vb in range(0, V, BV):
         cv = vb + tl.arange(0, BV)
-        m_v = cv < V
-        off0 = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        off1 = off0 + S * H * V
-        mv0 = m0[:, None] & m_v[None, :]
-        mv1 = m1[:, None] & m_v[None, :]
-        # Vt = V - (K⊙exp(G)) S on this value block
-        P0 = tl.zeros([S, BV], dtype=tl.float32)
-        P1 = tl.zeros([S, BV], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            rk = kb + tl.arange(0, BK)
-            m_k = rk < K
-            offk0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-            offk1 = offk0 + S * H * K
-            msk0 = m0[:, None] & m_k[None, :]
-            msk1 = m1[:, None] & m_k[None, :]
-            kg0 = _op(tl.load(k + offk0, mask=msk0, other=0.0).to(tl.float32)
-                      * tl.exp(tl.load(Gc + offk0, mask=msk0, other=0.0)), F32)
-            kg1 = _op(tl.load(k + offk1, mask=msk1, other=0.0).to(tl.float32)
-                      * tl.exp(tl.load(Gc + offk1, mask=msk1, other=0.0)), F32)
-            b_h = _op(tl.load(h + hbase + rk[:, None] * V + cv[None, :], mask=m_k[:, None] & m_v[None, :],
-                              other=0.0), F32)
-            P0 += tl.dot(kg0, b_h)
-            P1 += tl.dot(kg1, b_h)
-        dd0 = tl.load(dD + off0, mask=mv0, other=0.0).to(tl.float32)
-        dd1 = tl.load(dD + off1, mask=mv1, other=0.0).to(tl.float32)
-        dy0 = tl.dot(M00t, dd0) + tl.dot(M10t, dd1)  # M^T dDelta, float32 operands (tf32 on GPU)
-        dy1 = tl.dot(M11t, dd1)
-        db0 += tl.sum(dy0 * (tl.load(v + off0, mask=mv0, other=0.0).to(tl.float32) - P0), axis=1)
-        db1 += tl.sum(dy1 * (tl.load(v + off1, mask=mv1, other=0.0).to(tl.float32) - P1), axis=1)
-        beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
-        beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
-        tl.store(dv + off0, (dy0 * beta0[:, None]).to(dv.dtype.element_ty), mask=mv0)
-        tl.store(dv + off1, (dy1 * beta1[:, None]).to(dv.dtype.element_ty), mask=mv1)
-        D0 = tl.load(D + off0, mask=mv0, other=0.0)
-        D1 = tl.load(D + off1, mask=mv1, other=0.0)
-        D0f = tl.trans(D0.to(tl.float32))
-        dL00 -= tl.dot(dy0, D0f)
-        dL10 -= tl.dot(dy1, D0f)
-        dL11 -= tl.dot(dy1, tl.trans(D1.to(tl.float32)))
-        do0 = _op(tl.load(do + off0, mask=mv0, other=0.0), F32)
-        do1 = _op(tl.load(do + off1, mask=mv1, other=0.0), F32)
-        D0t = tl.trans(_op(D0, F32))
-        dAq00 += tl.dot(do0, D0t)
-        dAq10 += tl.dot(do1, D0t)
-        dAq11 += tl.dot(do1, tl.trans(_op(D1, F32)))
-    lo = rows[:, None] > rows[None, :]
-    dL00 = tl.where(lo, dL00, 0.0)
-    dL11 = tl.where(lo, dL11, 0.0)
-    A00, A10, A11 = _load_blocks(Akk, offc0, m0, m1, H, C)  # the forward's A (diagonal blocks strictly lower)
-    db0 += tl.sum(dL00 * A00, axis=1)
-    db1 += tl.sum(dL10 * A10 + dL11 * A11, axis=1)
-    tl.store(dbeta + tok * H + i_h, db0.to(dbeta.dtype.element_ty), mask=m0)
-    tl.store(dbeta + (tok + S) * H + i_h, db1.to(dbeta.dtype.element_ty), mask=m1)
-    beta0 = tl.load(beta + tok * H + i_h, mask=m0, other=0.0).to(tl.float32)
-    beta1 = tl.load(beta + (tok + S) * H + i_h, mask=m1, other=0.0).to(tl.float32)
-    _store_blocks(dA, offc0, m0, m1, dL00 * beta0[:, None], dL10 * beta1[:, None], dL11 * beta1[:, None], H, C)
+        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        mv = m_t[:, None] & (cv < V)[None, :]
+        b_d = tl.load(D + offv, mask=mv, other=0.0)
+        b_dd = tl.load(dD + offv, mask=mv, other=0.0)
+        b_do = tl.load(do + offv, mask=mv, other=0.0)
+        b_v = tl.load(v + offv, mask=mv, other=0.0).to(tl.float32)
+        dAq += tl.dot(_op(b_do, F32), tl.trans(_op(b_d, F32)))
+        b_dy = tl.dot(b_mt, b_dd.to(tl.float32))  # M^T dDelta, float32 operands (tf32 on GPU)
+        tl.store(dv + offv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=mv)
+        db += tl.sum(b_dy * b_v, axis=1)
+        dM += tl.dot(_op(b_dd, F32), tl.trans(_op(b_v * b_beta[:, None], F32)))
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        m_k = rk < K
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        dQg = tl.zeros([C, BK], dtype=tl.float32)
+        dKd = tl.zeros([C, BK], dtype=tl.float32)
+        dW = tl.zeros([C, BK], dtype=tl.float32)
+        dGs = tl.zeros([BK], dtype=tl.float32)
+        for vb in range(0, V, BV):
+            cv = vb + tl.arange(0, BV)
+            m_v = cv < V
+            offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+            mv = m_t[:, None] & m_v[None, :]
+            offs = hbase + rk[:, None] * V + cv[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            b_h = tl.load(h + offs, mask=m_kv, other=0.0)
+            b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
+            b_d = tl.load(D + offv, mask=mv, other=0.0)
+            b_dd = tl.load(dD + offv, mask=mv, other=0.0)
+            b_do = tl.load(do + offv, mask=mv, other=0.0)
+            dQg += tl.dot(_op(b_do, F32), tl.trans(_op(b_h, F32)))
+            dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
+            dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
+            dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        tl.store(scr + offk, dQg, mask=mk)
+        tl.store(scr + plane + offk, dKd, mask=mk)
+        tl.store(scr + 2 * plane + offk, dW, mask=mk)
+        tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
+        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        b_kg = b_k * tl.exp(b_G)
+        dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
+        db += tl.sum(tl.dot(b_mt, dW) * b_kg, axis=1)
+        b_Gr = _row(b_G, rows, R)
+        A += tl.dot(_op(b_k * tl.exp(b_G - b_Gr[None, :]), F32), tl.trans(_op(b_k * tl.exp(b_Gr[None, :] - b_G), F32)))
+    tl.debug_barrier()  # pass 2 reads the scratch this program wrote
+    # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
+    dL = tl.where(m_lo, -tl.dot(tl.dot(b_mt, dM), b_mt), 0.0)
+    db += tl.sum(dL * tl.where(m_lo, A, 0.0), axis=1)
+    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
+    dA = _op(dL * b_beta[:, None], F32)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
     # true dg is as small as exp(g_min)).
-    eye = rows[:, None] == rows[None, :]
-    tl.store(dii + tok * H + i_h, tl.sum(tl.where(eye, dAq00, 0.0), axis=1) * scale, mask=m0)
-    tl.store(dii + (tok + S) * H + i_h, tl.sum(tl.where(eye, dAq11, 0.0), axis=1) * scale, mask=m1)
-    _store_blocks(dAq, offc0, m0, m1, tl.where(lo, dAq00, 0.0) * scale, dAq10 * scale,
-                  tl.where(lo, dAq11, 0.0) * scale, H, C)
-
-
-@triton.jit
-def _dqkg_bwd(
-    q, k, Gc, h, dh, D, do, dv, dA, dAq, dii, dq, dk, dg, cu, cidx, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr,
-):
-    """Per (K block, chunk, head): dq, dk and dg of the block.
-
-    State terms: dKd = Delta dS^T (the update (K⊙exp(G_last - G))^T Delta), dQg = dO S^T (O's
-    scale (Q⊙exp(G)) S), dKg = -dv S^T (Vt's (K⊙exp(G)) S). Pair terms of A and Aq from the ``_dA_bwd``
-    blocks with the forward's rebasing. dg = reverse cumsum of dG over the chunk (per channel).
-    """
-    i_kb, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    S: tl.constexpr = C // 2
-    rows = tl.arange(0, S)
-    m0 = rows < n_valid
-    m1 = rows + S < n_valid
-    tok = t0 + rows
-    rk = i_kb * BK + tl.arange(0, BK)
-    m_k = rk < K
-    hbase = (i_c * H + i_h) * K * V
-    dQg0 = tl.zeros([S, BK], dtype=tl.float32)
-    dQg1 = tl.zeros([S, BK], dtype=tl.float32)
-    dKd0 = tl.zeros([S, BK], dtype=tl.float32)
-    dKd1 = tl.zeros([S, BK], dtype=tl.float32)
-    dKg0 = tl.zeros([S, BK], dtype=tl.float32)
-    dKg1 = tl.zeros([S, BK], dtype=tl.float32)
-    dGs = tl.zeros([BK], dtype=tl.float32)
-    for vb in range(0, V, BV):
-        cv = vb + tl.arange(0, BV)
-        m_v = cv < V
-        off0 = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        off1 = off0 + S * H * V
-        mv0 = m0[:, None] & m_v[None, :]
-        mv1 = m1[:, None] & m_v[None, :]
-        offs = hbase + rk[:, None] * V + cv[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(h + offs, mask=m_kv, other=0.0)
-        b_dh = tl.load(dh + offs, mask=m_kv, other=0.0)
-        hT = tl.trans(_op(b_h, F32))
-        dhT = tl.trans(_op(b_dh, F32))
-        dQg0 += tl.dot(_op(tl.load(do + off0, mask=mv0, other=0.0), F32), hT)
-        dQg1 += tl.dot(_op(tl.load(do + off1, mask=mv1, other=0.0), F32), hT)
-        dKd0 += tl.dot(_op(tl.load(D + off0, mask=mv0, other=0.0), F32), dhT)
-        dKd1 += tl.dot(_op(tl.load(D + off1, mask=mv1, other=0.0), F32), dhT)
-        dKg0 -= tl.dot(_op(tl.load(dv + off0, mask=mv0, other=0.0), F32), hT)
-        dKg1 -= tl.dot(_op(tl.load(dv + off1, mask=mv1, other=0.0), F32), hT)
-        dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    off0 = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-    off1 = off0 + S * H * K
-    msk0 = m0[:, None] & m_k[None, :]
-    msk1 = m1[:, None] & m_k[None, :]
-    Gr0, Gr1, Gb, g_last = _ref_rows(Gc, t0, n_valid, i_h, rk, m_k, H, K, S)
-    G0, G1 = _load_G(Gc, off0, off1, msk0, msk1, g_last)
-    k0 = tl.load(k + off0, mask=msk0, other=0.0).to(tl.float32)
-    k1 = tl.load(k + off1, mask=msk1, other=0.0).to(tl.float32)
-    # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay.
-    ed0 = tl.exp(g_last[None, :] - G0)
-    ed1 = tl.exp(g_last[None, :] - G1)
-    dk0 = dKd0 * ed0
-    dk1 = dKd1 * ed1
-    last0 = (rows == n_valid - 1)[:, None]
-    last1 = (rows + S == n_valid - 1)[:, None]
-    x0 = tl.where(last0, 0.0, dk0 * k0)
-    x1 = tl.where(last1, 0.0, dk1 * k1)
-    dGl = dGs * tl.exp(g_last) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
-    dG0 = tl.where(last0, dGl[None, :], -x0)
-    dG1 = tl.where(last1, dGl[None, :], -x1)
-    # Vt's (K⊙exp(G)) S and O's scale (Q⊙exp(G)) S
-    q0 = tl.load(q + off0, mask=msk0, other=0.0).to(tl.float32)
-    q1 = tl.load(q + off1, mask=msk1, other=0.0).to(tl.float32)
-    e0 = tl.exp(G0)
-    e1 = tl.exp(G1)
-    dk0 += dKg0 * e0
-    dk1 += dKg1 * e1
-    dq0 = dQg0 * e0 * scale
-    dq1 = dQg1 * e1 * scale
-    dG0 += dKg0 * e0 * k0 + dq0 * q0
-    dG1 += dKg1 * e1 * k1 + dq1 * q1
-    d_ii0 = tl.load(dii + tok * H + i_h, mask=m0, other=0.0)
-    d_ii1 = tl.load(dii + (tok + S) * H + i_h, mask=m1, other=0.0)
-    dq0 += d_ii0[:, None] * k0
-    dq1 += d_ii1[:, None] * k1
-    dk0 += d_ii0[:, None] * q0
-    dk1 += d_ii1[:, None] * q1
-    # dense pair terms of A and Aq: diagonal blocks rebased on the half's middle row, blocks 10 on b
-    offc0 = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    dA00, dA10, dA11 = _load_blocks(dA, offc0, m0, m1, H, C)
-    dAq00, dAq10, dAq11 = _load_blocks(dAq, offc0, m0, m1, H, C)
-    up0, dn0, up1, dn1, e1b, eb0 = _pair_operands(G0, G1, Gr0, Gr1, Gb)
-    kdn0 = _op(k0 * dn0, F32)
-    kdn1 = _op(k1 * dn1, F32)
-    kb0 = _op(k0 * eb0, F32)
-    dq_p0 = tl.dot(dAq00, kdn0) * up0
-    dq_p1 = tl.dot(dAq11, kdn1) * up1 + tl.dot(dAq10, kb0) * e1b
-    dk_r0 = tl.dot(dA00, kdn0) * up0
-    dk_r1 = tl.dot(dA11, kdn1) * up1 + tl.dot(dA10, kb0) * e1b
-    dk_c0 = ((tl.dot(tl.trans(dA00), _op(k0 * up0, F32)) + tl.dot(tl.trans(dAq00), _op(q0 * up0, F32))) * dn0
-             + (tl.dot(tl.trans(dA10), _op(k1 * e1b, F32)) + tl.dot(tl.trans(dAq10), _op(q1 * e1b, F32))) * eb0)
-    dk_c1 = (tl.dot(tl.trans(dA11), _op(k1 * up1, F32)) + tl.dot(tl.trans(dAq11), _op(q1 * up1, F32))) * dn1
-    dq0 += dq_p0
-    dq1 += dq_p1
-    dk0 += dk_r0 + dk_c0
-    dk1 += dk_r1 + dk_c1
-    dG0 += q0 * dq_p0 + k0 * (dk_r0 - dk_c0)
-    dG1 += q1 * dq_p1 + k1 * (dk_r1 - dk_c1)
-    dg1 = tl.cumsum(dG1, axis=0, reverse=True)
-    dg0 = tl.cumsum(dG0, axis=0, reverse=True) + tl.sum(dG1, axis=0)[None, :]
-    tl.store(dq + off0, dq0.to(dq.dtype.element_ty), mask=msk0)
-    tl.store(dq + off1, dq1.to(dq.dtype.element_ty), mask=msk1)
-    tl.store(dk + off0, dk0.to(dk.dtype.element_ty), mask=msk0)
-    tl.store(dk + off1, dk1.to(dk.dtype.element_ty), mask=msk1)
-    tl.store(dg + off0, dg0.to(dg.dtype.element_ty), mask=msk0)
-    tl.store(dg + off1, dg1.to(dg.dtype.element_ty), mask=msk1)
+    d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
+    dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
+    for kb in range(0, K, BK):
+        rk = kb + tl.arange(0, BK)
+        m_k = rk < K
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        dQg = tl.load(scr + offk, mask=mk, other=0.0)
+        dKd = tl.load(scr + plane + offk, mask=mk, other=0.0)
+        dW = tl.load(scr + 2 * plane + offk, mask=mk, other=0.0)
+        dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
+        b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        b_G = tl.load(Gc + offk, mask=mk, other=0.0)
+        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        e_g = tl.exp(b_G)
+        # W = M X, X = Diag(beta) K⊙exp(G)
+        b_kg = b_k * e_g
+        dKg = tl.dot(b_mt, dW) * b_beta[:, None]
+        b_dk = dKg * e_g
+        dG = dKg * b_kg
+        # O's state term scale (Q⊙exp(G)) S
+        b_dq = dQg * e_g * scale
+        dG += b_dq * b_q
+        # dense pair terms of A and Aq (strictly lower)
+        b_Gr = _row(b_G, rows, R)
+        up = tl.exp(b_G - b_Gr[None, :])
+        dn = tl.exp(b_Gr[None, :] - b_G)
+        kup = _op(b_k * up, F32)
+        kdn = _op(b_k * dn, F32)
+        qup = _op(b_q * up, F32)
+        dq_p = tl.dot(dAq, kdn) * up
+        dk_r = tl.dot(dA, kdn) * up
+        dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
+        b_dq += dq_p + d_ii[:, None] * b_k
+        b_dk += dk_r + dk_c + d_ii[:, None] * b_q
+        dG += b_q * dq_p + b_k * (dk_r - dk_c)
+        # S' = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta; the last row's Kd has no decay either.
+        e_d = tl.exp(g_last[None, :] - b_G)
+        b_kd = b_k * e_d
+        b_dk += dKd * e_d
+        x_kd = tl.where((rows == n_valid - 1)[:, None], 0.0, dKd * b_kd)
+        dG -= x_kd
+        dGl = dGs * tl.exp(g_last) + tl.sum(x_kd, axis=0)
+        dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
+        b_dg = tl.cumsum(dG, axis=0, reverse=True)
+        tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
+        tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
+        tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -661,34 +451,18 @@ def _f32_operands(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def launch_cfg(K: int, V: int) -> dict[str, dict[str, int]]:
-    """Block sizes, warps and pipeline stages of every kernel: fixed functions of K and V, never of T (a new
-    sequence length compiles nothing). The scans keep their state tile [BK, BV] in registers; BV = 32 gives
-    more programs (they are latency-bound when B * H is small); at K = 256 fewer stages keep the pipelined
-    operands within the 227 KB of shared memory."""
-    BK, BV = _pow2(K), _pow2(V)
-    return {
-        "cumsum": dict(BK=min(64, BK), num_warps=4),
-        "intra": dict(BK=min(32, BK), BV=min(64, BV), num_warps=4),
-        "scan_fwd": dict(BK=BK, BV=min(BV, 32), num_warps=4 if BK <= 128 else 8, num_stages=3 if BK <= 128 else 2),
-        "out": dict(BK=min(64, BK), BV=min(64, BV), num_warps=8),
-        "scan_bwd": dict(BK=BK, BV=min(BV, 32), num_warps=4 if BK <= 128 else 8, num_stages=3 if BK <= 128 else 1),
-        "dA": dict(BK=min(32, BK), BV=min(32, BV), num_warps=4),
-        "dqkg": dict(BK=min(16, BK), BV=min(64, BV), num_warps=8),
-    }
+def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers. BV = 32
+    gives more programs (the scans are latency-bound when B * H is small)."""
+    BK = _pow2(K)
+    return BK, min(_pow2(V), 32), 4 if BK <= 128 else 8
 
 
 def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward launches. Inputs ``[B, T, H, *]`` contiguous, C in {32, 64}.
-
-    Returns ``(o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D)``: o ``[B, T, H, V]``, ht ``[N, H, K, V]`` float32
-    and the tensors the backward needs: Gc ``[B, T, H, K]`` float32, Akk ``[B, T, H, C]`` float32, Aq
-    ``[B, T, H, C]`` (work dtype), Mi ``[B, T, H, C]`` float32, W, Kd, Qg ``[B, T, H, K]``, h
-    ``[max_chunks, H, K, V]``, D ``[B, T, H, V]`` (work dtype: bfloat16, float32 for float32 inputs).
-    """
+    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -696,8 +470,7 @@ def chunk_fwd(
     wdt = _work_dtype(q.dtype)
     F32 = _f32_operands(q.dtype)
     Gc = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
-    Akk = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
-    Aq = torch.empty(B, T, H, C, device=q.device, dtype=wdt)
+    Aq = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     Mi = torch.empty(B, T, H, C, device=q.device, dtype=torch.float32)
     W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
     Kd = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
@@ -709,30 +482,27 @@ def chunk_fwd(
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D
-    cfg = launch_cfg(K, V)
-    _cumsum_fwd[(NC, H)](g, Gc, cu, cidx, H=H, K=K, C=C, **cfg["cumsum"])
-    _intra_fwd[(NC, H)](k, v, q, beta, Gc, Akk, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C,
-                        F32=F32, **cfg["intra"])
-    _scan_fwd[(triton.cdiv(V, cfg["scan_fwd"]["BV"]), N * H)](
-        Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, F32=F32, **cfg["scan_fwd"])
-    _out_fwd[(triton.cdiv(V, cfg["out"]["BV"]), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, F32=F32,
-                                                      **cfg["out"])
-    return o, ht, Gc, Akk, Aq, Mi, W, Kd, Qg, h, D
+        return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
+    BKi = min(64, _pow2(K))
+    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
+                        BV=min(64, _pow2(V)), F32=F32, num_warps=4)
+    BK, BV, nw = _scan_cfg(K, V)
+    _scan_fwd[(triton.cdiv(V, BV), N * H)](
+        Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, F32=F32, num_warps=nw)
+    BVo = min(64, _pow2(V))
+    _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi,
+                                          BV=BVo, F32=F32, num_warps=4)
+    return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
 
 
 def chunk_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Akk: torch.Tensor,
-    Aq: torch.Tensor, Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor,
-    D: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float,
-    cu_seqlens: torch.Tensor | None, C: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
+    Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor, D: torch.Tensor,
+    do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None,
+    C: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Backward launches (the forward's saved tensors, see :func:`chunk_fwd`).
-
-    Returns ``(dq, dk, dv, dg, dbeta, dh0)``: dq, dk, dv, dbeta in their input's dtype, dg ``[B, T, H, K]``
-    and dh0 ``[N, H, K, V]`` float32.
-    """
+    """Backward launches. Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dg and dh0 are float32."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -748,16 +518,14 @@ def chunk_bwd(
         return dq, dk, dv, dg, dbeta, dh0
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
-    cfg = launch_cfg(K, V)
-    _scan_bwd[(triton.cdiv(V, cfg["scan_bwd"]["BV"]), N * H)](
-        Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, HAS_DHT=dht is not None,
-        STORE_DH0=need_dh0, F32=F32, **cfg["scan_bwd"])
-    dA = torch.empty(B, T, H, C, device=q.device, dtype=wdt)  # Diag(beta) dL, blocks 00, 10, 11
-    dAq = torch.empty(B, T, H, C, device=q.device, dtype=wdt)  # scale * dAq without its diagonal
-    dii = torch.empty(B, T, H, device=q.device, dtype=torch.float32)  # scale * diag(dAq)
-    _dA_bwd[(NC, H)](k, v, beta, Gc, Akk, Mi, h, D, dD, do, dv, dbeta, dA, dAq, dii, cu, cidx, scale, H=H, K=K,
-                     V=V, C=C, F32=F32, **cfg["dA"])
-    _dqkg_bwd[(triton.cdiv(K, cfg["dqkg"]["BK"]), NC, H)](
-        q, k, Gc, h, dh, D, do, dv, dA, dAq, dii, dq, dk, dg, cu, cidx, scale, H=H, K=K, V=V, C=C, F32=F32,
-        **cfg["dqkg"])
+    BK, BV, nw = _scan_cfg(K, V)
+    _scan_bwd[(triton.cdiv(V, BV), N * H)](
+        Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+        HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
+    plane = B * T * H * K
+    scr = torch.empty(3 * plane, device=q.device, dtype=torch.float32)  # dQg, dKd, dW between the two passes
+    dgs = torch.empty(h.shape[0] * H * K, device=q.device, dtype=torch.float32)
+    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale,
+                       plane, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)), BV=min(64, _pow2(V)), F32=F32,
+                       num_warps=4)
     return dq, dk, dv, dg, dbeta, dh0

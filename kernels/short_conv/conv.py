@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 BT = 64  # time steps per program
-BC = 128  # channels per program
+BC = 64  # channels per program (BT x BC float32 tiles: 32 registers a thread at 4 warps; 64 x 128 spilled)
 
 
 @triton.jit

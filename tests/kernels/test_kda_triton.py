@@ -99,47 +99,25 @@ def test_forward_backward_matches_reference(seed, B, T, H, K, V):
 
 @pytest.mark.parametrize("gate", ["min", "zero"])
 def test_gate_edges(seed, gate):
-    """g = g_min everywhere puts the rebased exponents at their bound (80 in halves of 32); g = 0: no decay."""
+    """g = g_min everywhere puts the rebased exponents at their bound (80 at C = 32); g = 0 means no decay."""
     assert_errors(run_both(make_inputs(1, 40, 1, 16, 16, gate=gate)), TOL_F32)
 
 
 @pytest.mark.parametrize(
     "T,gate",
     [
-        (50, "min"),  # half 1 partly padded with its middle row (47) valid: padded rows must not overflow
-        (130, "min"),  # two full chunks and a partial one; exponents at their bound (80)
+        (50, "min"),  # last chunk partly padded; exponents at their bound (80)
+        (130, "min"),  # several full chunks and a partial one
         (130, "random"),
-        (64, "zero"),  # exactly one chunk, no decay
+        (64, "zero"),  # a whole number of chunks, no decay
     ],
 )
-def test_chunk_of_two_halves(seed, T, gate):
-    """C = 64 at g_min = -5: each 32-row half rebased on its middle row, the off-diagonal block on the boundary."""
+def test_several_chunks(seed, T, gate):
     assert_errors(run_both(make_inputs(1, T, 2, 24, 16, gate=gate)), TOL_F32)
 
 
-def test_chunk_size_32_override(seed):
-    """chunk_size=32 (halves of 16) at the default bound gives the same function."""
-    from k3lit.kernels.kda import kda_triton
-
-    fn = lambda *a, **kw: kda_triton(*a, **kw, g_min=-5.0, chunk_size=32)  # noqa: E731
-    assert_errors(run_both(make_inputs(1, 45, 1, 16, 16, gate="min"), fn=fn), TOL_F32)
-
-
-def test_halves_chunk_choice():
-    from k3lit.kernels.kda import kda_triton
-    from k3lit.ops.kda.validate import largest_safe_halves_chunk
-
-    # halves of 32 rows: |g_min| * ceil(31 / 2) <= 88; halves of 16: |g_min| * ceil(15 / 2) <= 88
-    assert [largest_safe_halves_chunk(x) for x in (-1.0, -5.0, -5.5, -5.6, -11.0)] == [64, 64, 64, 32, 32]
-    with pytest.raises(ValueError, match="overflows"):
-        largest_safe_halves_chunk(-11.1)
-    q, k, v, g, beta, _ = make_inputs(1, 4, 1, 16, 16)
-    with pytest.raises(ValueError, match="two halves of 32 rows"):
-        kda_triton(q, k, v, g, beta, g_min=-6.0, chunk_size=64)
-
-
 def test_strong_bound_small_chunk(seed):
-    """g_min = -10 forces C = 32, halves of 16 (exponent bound 80); gate pinned at the bound."""
+    """g_min = -10 forces C = 16 (exponent bound 80); gate pinned at the bound."""
     assert_errors(run_both(make_inputs(1, 37, 1, 16, 16, g_min=-10.0, gate="min"), g_min=-10.0), TOL_F32)
 
 
@@ -264,14 +242,6 @@ def test_gpu_matches_reference(seed, B, T, H, K, V, dtype):
 def test_gpu_gate_edges(seed, gate):
     assert_errors(run_both(make_inputs(1, 256, 2, 128, 128, dtype=torch.bfloat16, gate=gate, device="cuda")),
                   TOL_BF16)
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_strong_bound(seed):
-    """g_min = -10: chunks of 32 made of halves of 16, gate pinned at the bound (exponents at 80)."""
-    inputs = make_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, g_min=-10.0, gate="min", device="cuda")
-    assert_errors(run_both(inputs, g_min=-10.0), TOL_BF16)
 
 
 @pytest.mark.gpu

@@ -54,8 +54,7 @@ def kda(
         backend: ``"auto"`` (Triton on CUDA, chunked PyTorch elsewhere), ``"torch"``, ``"reference"``
             (token-by-token recurrence) or ``"triton"``.
         g_min: the lower bound the gate guarantees; with ``chunk_size`` it fixes the largest exponent.
-        chunk_size: tokens per chunk; default: the largest power of two <= 64 that is safe for g_min (for
-            ``"triton"``: 64 or 32, made of two halves rebased separately, see k3lit/kernels/kda/README.md).
+        chunk_size: tokens per chunk; default: the largest power of two <= 64 that is safe for g_min.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
@@ -67,19 +66,19 @@ def kda(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    chunk_size = largest_safe_chunk(g_min) if chunk_size is None else chunk_size
+    check_gate_bound(g_min, chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton_available() else "torch"
-    if backend == "triton":  # its own chunking (two rebased halves) and checks
+    if backend == "reference":
+        return kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if backend == "triton":
         from k3lit.kernels.kda import kda_triton
 
         return kda_triton(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_min=g_min, chunk_size=chunk_size
         )
-    chunk_size = largest_safe_chunk(g_min) if chunk_size is None else chunk_size
-    check_gate_bound(g_min, chunk_size)
-    if backend == "reference":
-        return kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if not q.is_cuda and g.numel() and (g.min() < g_min - 1e-6 or g.max() > 0):
         raise ValueError(
             f"g must lie in [g_min, 0] = [{g_min}, 0], got [{g.min().item():.4g}, {g.max().item():.4g}]; "

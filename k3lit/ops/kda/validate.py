@@ -88,32 +88,6 @@ def check_gate_bound(g_min: float, chunk_size: int) -> None:
         )
 
 
-def check_halves_bound(g_min: float, chunk_size: int) -> None:
-    """Raise ``ValueError`` when the Triton kernels' chunk of two rebased halves could overflow.
-
-    The kernels rebase each half of ``chunk_size / 2`` rows on its own middle row and the off-diagonal block
-    on the half boundary (factors <= 1 there), so the largest exponent is ``max_exponent(g_min, chunk_size // 2)``.
-    """
-    if not g_min < 0:
-        raise ValueError(f"g_min must be negative (the lower bound of the log-decay), got {g_min}")
-    S = chunk_size // 2
-    if max_exponent(g_min, S) > EXP_LIMIT:
-        safe = EXP_LIMIT / math.ceil((S - 1) / 2)
-        raise ValueError(
-            f"log-decay bound g_min={g_min} with chunk_size={chunk_size} (two halves of {S} rows) lets exp(±G) "
-            f"reach exp({max_exponent(g_min, S):.0f}), which overflows float32/bfloat16 (limit exp(88)). "
-            f"Use g_min >= {-safe:.3f} or a smaller chunk_size."
-        )
-
-
-def largest_safe_halves_chunk(g_min: float) -> int:
-    """Chunk size of the Triton kernels for ``g_min``: 64 (halves of 32, safe for g_min >= -5.5), else 32
-    (halves of 16, safe for g_min >= -11); raises ``ValueError`` below that."""
-    c = 64 if max_exponent(g_min, 32) <= EXP_LIMIT else 32
-    check_halves_bound(g_min, c)
-    return c
-
-
 def largest_safe_chunk(g_min: float, cap: int = 64) -> int:
     """Largest power-of-two chunk size (at most ``cap``, at least 16) that is safe for ``g_min``."""
     c = cap
