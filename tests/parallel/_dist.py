@@ -26,6 +26,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errfile:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears gloo down while a peer is still inside a collective with it
     except BaseException:
         with open(f"{errfile}.{rank}", "w") as f:
             f.write(traceback.format_exc())
