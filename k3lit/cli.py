@@ -24,6 +24,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
@@ -68,9 +69,11 @@ class K3CLI(LightningCLI):
                 f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data_vocab}: "
                 "remove model.vocab_size to take it from the data, or raise it"
             )
-        self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"),
-                                 compile=bool(self._get(self.config_init, "compile", default=False)))
         self.trainer = self.instantiate_trainer(**self._default_outputs())
+        # A sharding strategy gets a meta-device model: each rank materialises only its shards (configure_model)
+        self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"),
+                                 compile=bool(self._get(self.config_init, "compile", default=False)),
+                                 empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy))
 
     def _parse_ckpt_path(self) -> None:
         """With ``--ckpt_path <file or sharded folder>``, the checkpoint's own ``model`` and ``optim`` configs

@@ -7,6 +7,7 @@ Reads top-down: ``ModelConfig`` → ``K3LM`` (embedding, sublayers joined by the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -211,16 +212,45 @@ class K3LM(nn.Module):
         return 1 if self.config.residual == "full_attnres" else self.config.attnres_block_size
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for linear and embedding weights, output projections scaled by 1/sqrt(2 L)."""
+        """Normal(0, init_std) for linear and embedding weights (a tied LM head keeps the embedding's draw),
+        output projections and the experts' ``w_down`` scaled by 1/sqrt(2 L), zero linear biases and
+        ``expert_bias``. Other parameters keep what their own modules' ``reset_parameters`` gave them (see
+        :meth:`init_weights`)."""
         std = self.config.init_std
         out_std = std / (2 * self.config.n_layers) ** 0.5
         for name, m in self.named_modules():
+            if m is self.lm_head and self.lm_head.weight is self.embed.weight:
+                continue
             if isinstance(m, nn.Linear | nn.Embedding):
                 nn.init.normal_(m.weight, std=out_std if name.endswith(("o_proj", "w_down")) else std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, MoE):  # stacked expert weights are plain parameters, not nn.Linear
                 m.reset_parameters(std=std, down_std=out_std)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place, e.g. after ``to_empty`` of a model built on the meta
+        device (and sharded): re-tie the LM head to the embedding if configured, run each module's own
+        ``reset_parameters`` in the order construction runs them (children before their parent: depth-first
+        post-order), then :meth:`reset_parameters`.
+
+        Replaying construction's random draws in construction's order gives, from the same generator state,
+        bit for bit the weights of ``K3LM(config)`` (on one device, plain tensors). On FSDP2 / expert-parallel
+        DTensor shards each rank initialises only its local shards (``nn.init`` runs on DTensors): on CUDA
+        DTensor's RNG tracker gives every shard its own part of one random stream; on CPU it has none and
+        each rank draws its shards from its own generator (seeded alike, equal-shaped shards get equal values).
+
+        Zeros: AttnRes pseudo-queries, KDA gate biases, linear biases, ``expert_bias``; ones: norm weights;
+        U(±1/sqrt(W)): short-conv kernels; normal: linear, embedding and expert weights (see
+        :meth:`reset_parameters`).
+        """
+        if self.config.tie_embeddings:  # to_empty of plain meta tensors unties them (one new Parameter each)
+            self.lm_head.weight = self.embed.weight
+        for m in _post_order(self):
+            if m is not self and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+        self.reset_parameters()
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules in depth order."""
@@ -329,6 +359,13 @@ class K3LM(nn.Module):
             out.append(nxt)
             logits, states = self(nxt, states)
         return torch.cat(out, dim=1)
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    """``module``'s submodules, each after its children (depth-first post-order), ``module`` last."""
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

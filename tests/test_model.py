@@ -147,3 +147,27 @@ def test_checkpointing_is_bit_identical(seed, policy, residual, block):
     assert results[0][1].keys() == results[1][1].keys()
     for name, grad in results[0][1].items():
         assert torch.equal(grad, results[1][1][name]), name
+
+
+@pytest.mark.parametrize("kw", [{}, {"residual": "plain", "tie_embeddings": False, "n_shared_experts": 1}],
+                         ids=["tied-attnres", "untied-plain-shared"])
+def test_meta_init_weights_equal_construction(kw):
+    """A meta-built model, materialised with ``to_empty`` (NaN-filled) and ``init_weights()`` from the same seed,
+    holds bit for bit the weights of a normal construction, tied head included: every parameter and buffer is
+    covered, with the same random draws in the same order."""
+    cfg = dataclasses.replace(TINY, **kw)
+    torch.manual_seed(0)
+    want = K3LM(cfg).state_dict()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = K3LM(cfg)
+    model.to_empty(device="cpu")
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data.fill_(float("nan"))
+    torch.manual_seed(0)
+    model.init_weights()
+    assert (model.lm_head.weight is model.embed.weight) == cfg.tie_embeddings
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name

@@ -16,8 +16,14 @@ class AttnResMixer(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.query = nn.Parameter(torch.zeros(dim))
-        self.norm_weight = nn.Parameter(torch.ones(dim))
+        self.query = nn.Parameter(torch.empty(dim))
+        self.norm_weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``query = 0`` (the first read is the uniform mean of the sources), ``norm_weight = 1``."""
+        nn.init.zeros_(self.query)
+        nn.init.ones_(self.norm_weight)
 
     @property
     def effective_query(self) -> torch.Tensor:

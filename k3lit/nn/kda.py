@@ -63,10 +63,16 @@ class KimiDeltaAttention(nn.Module):
         # beta logits (one per head) | low-rank decay-gate down (rank = head_dim) | low-rank output-gate down
         self.down_proj = nn.Linear(dim, n_heads + 2 * head_dim, bias=False)
         self.f_up = nn.Linear(head_dim, inner, bias=False)
-        self.gate_bias = nn.Parameter(torch.zeros(inner))
+        self.gate_bias = nn.Parameter(torch.empty(inner))
         self.o_up = nn.Linear(head_dim, inner, bias=True)
         self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, dim, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Zero the decay-gate bias, the one parameter this module owns directly (its submodules reset their
+        own)."""
+        nn.init.zeros_(self.gate_bias)
 
     def forward(
         self, x: torch.Tensor, state: KDAState | None = None, return_state: bool = False

@@ -209,10 +209,11 @@ class MoE(nn.Module):
 
     def reset_parameters(self, std: float | None = None, down_std: float | None = None) -> None:
         """Normal init of the stacked experts: ``w_gate_up ~ N(0, std)`` (default ``dim**-0.5``),
-        ``w_down ~ N(0, down_std)`` (default ``expert_dim**-0.5``); the router and shared experts keep
-        ``nn.Linear`` init. The bias is left alone (it is balancer state, not a weight)."""
+        ``w_down ~ N(0, down_std)`` (default ``expert_dim**-0.5``), and a zero ``expert_bias`` (float32); the
+        router and shared experts are ``nn.Linear`` modules that reset themselves. Works on DTensor shards."""
         nn.init.normal_(self.experts.w_gate_up, std=self.dim**-0.5 if std is None else std)
         nn.init.normal_(self.experts.w_down, std=self.expert_dim**-0.5 if down_std is None else down_std)
+        nn.init.zeros_(self.expert_bias)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:

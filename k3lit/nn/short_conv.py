@@ -29,6 +29,11 @@ class ShortConvolution(nn.Module):
             raise ValueError(f"ShortConvolution: backend must be auto, triton or torch, got {backend!r}")
         self.width, self.backend = width, backend
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``weight [C, 1, W]`` ~ U(-1/sqrt(W), 1/sqrt(W)) (``kaiming_uniform_(a=sqrt(5))``, nn.Conv1d's default);
+        works on DTensor shards."""
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def _use_triton(self, x: torch.Tensor, state: torch.Tensor | None) -> bool:

@@ -91,7 +91,9 @@ def parallelize(
     replicated over ``replicate_dim`` (if the mesh has it with size > 1: HSDP).
 
     Args:
-        model: the single-device model (parameters materialised, identical on every rank).
+        model: the single-device model, either materialised and identical on every rank, or built on the meta
+            device (nothing allocated): then ``model.to_empty(device=...)`` and ``model.init_weights()``
+            afterwards allocate and initialise only this rank's shards (``K3LitModule.configure_model`` does).
         mesh: a device mesh with a dimension named ``dp_dim`` and optionally ones named ``ep_dim`` and
             ``replicate_dim`` (the order ``(replicate_dim, dp_dim, ep_dim)`` keeps expert groups on consecutive
             ranks).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import lightning as L
@@ -34,15 +35,26 @@ class K3LitModule(L.LightningModule):
     The MoE balancers (quantile bias, sign bias) update once per optimizer step in
     :meth:`on_before_optimizer_step`, after every micro-batch of that step has been routed, so no batch is
     routed by a bias derived from itself.
+
+    Args:
+        model: the architecture.
+        optim: optimizer and schedule (defaults of :class:`OptimConfig` when None).
+        compile: ``torch.compile`` every sublayer in :meth:`configure_model`.
+        empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
+            materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
+            ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
     """
 
-    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None, compile: bool = False) -> None:
+    def __init__(
+        self, model: ModelConfig, optim: OptimConfig | None = None, compile: bool = False, empty_init: bool = False
+    ) -> None:
         super().__init__()
         self.compile_sublayers = compile
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["empty_init"])
         self.model_config = model
         self.optim_config = optim or OptimConfig()
-        self.model = K3LM(model)
+        with torch.device("meta") if empty_init else nullcontext():
+            self.model = K3LM(model)
         self.val_loss = MeanMetric()
         n_moe = len(self.model.moe_layers())
         if n_moe:
@@ -53,7 +65,9 @@ class K3LitModule(L.LightningModule):
     def configure_model(self) -> None:
         """``compile=True``: ``torch.compile`` every sublayer in place (state-dict names unchanged; MoE routing
         and the KDA torch path's loop over chunks cause graph breaks, the Triton KDA op is one opaque node).
-        Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2."""
+        Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2. A model built
+        with ``empty_init=True`` is then materialised: each rank allocates its shards (the whole model without
+        a mesh) on the strategy's root device and initialises them (:meth:`K3LM.init_weights`)."""
         if self.compile_sublayers and not getattr(self, "_compiled", False):
             for sub in self.model.sublayers:
                 sub.compile()
@@ -63,6 +77,9 @@ class K3LitModule(L.LightningModule):
 
             parallelize(self.model, self.device_mesh)
             self._parallelized = True
+        if any(p.is_meta for p in self.model.parameters()):
+            self.model.to_empty(device=self.trainer.strategy.root_device)
+            self.model.init_weights()
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

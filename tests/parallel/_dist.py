@@ -59,3 +59,22 @@ class RecordBatches(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         torch.save(self.batches, os.path.join(self.dirpath, f"batches.{trainer.global_rank}.pt"))
+
+
+class RecordInit(L.Callback):
+    """Saves ``{"meta_at_setup", "local_numel", "numel"}`` of ``pl_module.model`` to ``{dirpath}/init.{rank}.pt``
+    when training starts: whether every parameter was on the meta device at ``setup`` (before
+    ``configure_model``), and the parameter elements this rank holds (its shards) and the model has."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.meta_at_setup = False
+
+    def setup(self, trainer, pl_module, stage) -> None:  # noqa: ANN001
+        self.meta_at_setup = all(p.is_meta for p in pl_module.model.parameters())
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        params = list(pl_module.model.parameters())
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+        record = {"meta_at_setup": self.meta_at_setup, "local_numel": local, "numel": sum(p.numel() for p in params)}
+        torch.save(record, os.path.join(self.dirpath, f"init.{trainer.global_rank}.pt"))

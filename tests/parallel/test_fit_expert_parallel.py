@@ -1,6 +1,7 @@
 """`k3lit fit` with ExpertParallelStrategy on 4 CPU processes (gloo), hybrid sharding (2 replicas) x expert
-parallelism 2: trains, writes a torch-distributed checkpoint and heatmaps, feeds each rank (replicas too) its
-own samples, and resumes on 1 process (DTensor resharding)."""
+parallelism 2: builds the model on the meta device and materialises each rank's shards, trains, writes a
+torch-distributed checkpoint and heatmaps, feeds each rank (replicas too) its own samples, and resumes on 1
+process (DTensor resharding)."""
 
 from __future__ import annotations
 
@@ -54,10 +55,16 @@ def test_fit_hsdp_checkpoint_resume_on_1_process(tmp_path):
     log = fit(first, cache, 4, 4, 2, "--trainer.strategy.data_parallel_replicate_size=2",
         "--trainer.callbacks+=tests.parallel._dist.RecordBatches",
         f"--trainer.callbacks.dirpath={tmp_path}", "--trainer.callbacks+=k3lit.train.expert_plots.ExpertLoadPlots",
-        "--trainer.callbacks.every_n_steps=2")
+        "--trainer.callbacks.every_n_steps=2", "--trainer.callbacks+=tests.parallel._dist.RecordInit",
+        f"--trainer.callbacks.dirpath={tmp_path}")
     assert "device mesh data_parallel_replicate=2 x data_parallel=1 x expert_parallel=2 (HSDP" in log
     loss = metric(first, "train/loss")
     assert sorted(loss) == [0, 1, 2, 3] and all(v == v for v in loss.values())
+    # built on the meta device; each rank then materialised only its shards (about half the model: a shard group
+    # is 2 ranks), and the two replicas together hold every element twice
+    inits = [torch.load(tmp_path / f"init.{r}.pt") for r in range(4)]
+    assert all(i["meta_at_setup"] and i["local_numel"] < 0.6 * i["numel"] for i in inits), inits
+    assert sum(i["local_numel"] for i in inits) == 2 * inits[0]["numel"], inits
     assert metric(first, "train/max_vio/layer0") and metric(first, "val/max_vio/layer1")
     assert sorted(p.name for p in (first / "expert_load").glob("*.png")) == ["step0000002.png", "step0000004.png"]
     ckpt = first / "checkpoints" / "last.ckpt"
