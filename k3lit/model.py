@@ -237,9 +237,8 @@ class K3LM(nn.Module):
 
         Replaying construction's random draws in construction's order gives, from the same generator state,
         bit for bit the weights of ``K3LM(config)`` (on one device, plain tensors). On FSDP2 / expert-parallel
-        DTensor shards each rank initialises only its local shards (``nn.init`` runs on DTensors): on CUDA
-        DTensor's RNG tracker gives every shard its own part of one random stream; on CPU it has none and
-        each rank draws its shards from its own generator (seeded alike, equal-shaped shards get equal values).
+        DTensor shards each rank initialises only its local shards (``nn.init`` runs on DTensors); use
+        :func:`k3lit.parallel.init_sharded`, which also gives each shard its own random numbers on CPU meshes.
 
         Zeros: AttnRes pseudo-queries, KDA gate biases, linear biases, ``expert_bias``; ones: norm weights;
         U(±1/sqrt(W)): short-conv kernels; normal: linear, embedding and expert weights (see

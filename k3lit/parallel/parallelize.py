@@ -92,8 +92,8 @@ def parallelize(
 
     Args:
         model: the single-device model, either materialised and identical on every rank, or built on the meta
-            device (nothing allocated): then ``model.to_empty(device=...)`` and ``model.init_weights()``
-            afterwards allocate and initialise only this rank's shards (``K3LitModule.configure_model`` does).
+            device (nothing allocated): then ``model.to_empty(device=...)`` and :func:`init_sharded` allocate
+            and initialise only this rank's shards (``K3LitModule.configure_model`` does).
         mesh: a device mesh with a dimension named ``dp_dim`` and optionally ones named ``ep_dim`` and
             ``replicate_dim`` (the order ``(replicate_dim, dp_dim, ep_dim)`` keeps expert groups on consecutive
             ranks).
@@ -143,4 +143,36 @@ def parallelize(
             fully_shard(sub.res_mixer, mesh=dense, mp_policy=mp)
         fully_shard(sub, mesh=dense, mp_policy=mp)
     fully_shard(model, mesh=dense, mp_policy=mp)
+    return model
+
+
+def init_sharded(model: K3LM, mesh: DeviceMesh, dp_dim: str = DP, ep_dim: str = EP) -> K3LM:
+    """Initialise the shards of a model built on the meta device, sharded by :func:`parallelize` and allocated
+    with ``model.to_empty(device=...)`` (only this rank's shards): :meth:`K3LM.init_weights` on every rank.
+
+    On a CUDA mesh DTensor's RNG tracker gives every shard its own part of one random stream. A CPU mesh has no
+    tracker, and each rank would draw its shards from its own generator, which every rank seeds alike (equal
+    shards): so each shard position (the coordinate on ``dp_dim`` x ``ep_dim``) draws from the generator
+    reseeded with one random number shared by all ranks plus its index, replicas alike; the global generator's
+    state is restored afterwards.
+
+    Args:
+        model: the output of :func:`parallelize` for a model built under ``torch.device("meta")``, after
+            ``to_empty``.
+        mesh: the mesh it was parallelized over.
+        dp_dim, ep_dim: names of the mesh dimensions parameters are sharded over (as for :func:`parallelize`).
+
+    Returns:
+        The same module: every parameter and buffer initialised, distributed as in ``K3LM(config)``.
+    """
+    if mesh.device_type != "cpu":
+        model.init_weights()
+        return model
+    index = 0
+    for name in (dp_dim, ep_dim):
+        if name in (mesh.mesh_dim_names or ()):
+            index = index * mesh[name].size() + mesh[name].get_local_rank()
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(int(torch.randint(2**62, ())) + index)  # CPU generator only
+        model.init_weights()
     return model

@@ -67,7 +67,7 @@ class K3LitModule(L.LightningModule):
         and the KDA torch path's loop over chunks cause graph breaks, the Triton KDA op is one opaque node).
         Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2. A model built
         with ``empty_init=True`` is then materialised: each rank allocates its shards (the whole model without
-        a mesh) on the strategy's root device and initialises them (:meth:`K3LM.init_weights`)."""
+        a mesh) on the strategy's root device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
         if self.compile_sublayers and not getattr(self, "_compiled", False):
             for sub in self.model.sublayers:
                 sub.compile()
@@ -79,7 +79,12 @@ class K3LitModule(L.LightningModule):
             self._parallelized = True
         if any(p.is_meta for p in self.model.parameters()):
             self.model.to_empty(device=self.trainer.strategy.root_device)
-            self.model.init_weights()
+            if self.device_mesh is None:
+                self.model.init_weights()
+            else:
+                from k3lit.parallel import init_sharded
+
+                init_sharded(self.model, self.device_mesh)
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
