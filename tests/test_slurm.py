@@ -5,9 +5,11 @@ they skip, saying so, only when no controller answers. The layout checks need no
 """
 
 import csv
+import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -172,11 +174,17 @@ def jobs():
 def test_two_task_cpu_job_trains(tmp_path, jobs):
     _corpus(tmp_path / "corpus")
     script = tmp_path / "job.sbatch"
+    # The submitting shell carries a MASTER_PORT that is in use (as after another torch.distributed job in
+    # it): sbatch exports the environment, and the job must still take its rendezvous from SLURM.
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(busy.getsockname()[1])}
     out = subprocess.run(
         [sys.executable, "-m", "k3lit.cli", "slurm", "--config", str(TINY), "--tasks_per_node", "2",
          "--cpus_per_task", "1", "--time", "10:00", "--job_name", "k3lit-test-fit", "--output",
          str(tmp_path / "job.out"), "--out", str(script), "--submit", "--", *_fit_args(tmp_path, "run", 20)],
-        capture_output=True, text=True, cwd=ROOT)
+        capture_output=True, text=True, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     job = out.stdout.strip()
     jobs.append(job)
