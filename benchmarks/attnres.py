@@ -134,13 +134,15 @@ def speed_table(rows: list[dict], size: str, compile_: bool, batch: int | None) 
         f"| residual | policy | {mem_label} | vs none | fwd+bwd ms | vs none | vs plain (same policy) |",
         "|---|---|---|---|---|---|---|",
     ]
+    def ratio(x: float, ref: dict | None, key: str, fmt: str) -> str:  # "-" when the reference row was not run
+        return "-" if ref is None else f"{x / ref[key]:{fmt}}x"
+
     for r in rows:
-        none = base[(r["residual"], "none")]
-        plain = base.get(("plain", r["policy"]), r)
+        none, plain = base.get((r["residual"], "none")), base.get(("plain", r["policy"]))
         name = f"{r['residual']} (S={r['block']})" if r["residual"] == "block_attnres" else r["residual"]
         lines.append(
-            f"| {name} | {r['policy']} | {r['act_mib']:.0f} | {r['act_mib'] / none['act_mib']:.2f}x | {r['ms']:.1f} | "
-            f"{r['ms'] / none['ms']:.2f}x | {r['ms'] / plain['ms']:.3f}x |"
+            f"| {name} | {r['policy']} | {r['act_mib']:.0f} | {ratio(r['act_mib'], none, 'act_mib', '.2f')} | "
+            f"{r['ms']:.1f} | {ratio(r['ms'], none, 'ms', '.2f')} | {ratio(r['ms'], plain, 'ms', '.3f')} |"
         )
     return "\n".join(lines)
 

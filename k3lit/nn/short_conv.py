@@ -47,7 +47,9 @@ class ShortConvolution(nn.Module):
             from k3lit.kernels.short_conv import short_conv_silu_triton  # lazy: Triton only where it runs
 
             y = short_conv_silu_triton(x, self.weight[:, 0].to(x.dtype))
-            tail = F.pad(x[:, -(self.width - 1) :], (0, 0, max(0, self.width - 1 - T), 0))  # [B, W - 1, C]
+            tail = x[:, -(self.width - 1) :]  # [B, W - 1, C]: a view, no copy on the training path
+            if T < self.width - 1:  # zero history before the first token
+                tail = F.pad(tail, (0, 0, self.width - 1 - T, 0))
             return y, tail.transpose(1, 2)
         x = x.transpose(1, 2)  # [B, C, T]
         past = x.new_zeros(B, C, self.width - 1) if state is None else state.to(x.dtype)
