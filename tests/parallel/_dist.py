@@ -20,11 +20,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errfile: str) -> None:
+def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile: str) -> None:
+    # Native (C++) messages, e.g. gloo's before an abort, go to a file the parent shows if this rank dies.
+    log = os.open(f"{errfile}.stderr.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 2)
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        # A file store, not a TCP port: no race with another test's processes for a freed port.
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         fn(rank, world, *args)
         dist.barrier()  # no rank tears gloo down while a peer is still inside a collective with it
     except BaseException:
@@ -32,18 +35,23 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errfile:
             f.write(traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_workers(fn: Callable, world: int, *args, tmp_path) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; re-raise the first failure's traceback."""
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; on failure, fail the test with each
+    rank's Python traceback, or (a rank killed by a signal) the tail of its native stderr."""
     err = str(tmp_path / "worker_error")
     try:
-        mp.spawn(_entry, args=(world, free_port(), fn, args, err), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, str(tmp_path / "store"), fn, args, err), nprocs=world, join=True)
     except Exception as e:  # noqa: BLE001
         msgs = [open(f"{err}.{r}").read() for r in range(world) if os.path.exists(f"{err}.{r}")]
-        pytest.fail("worker failed:\n" + ("\n".join(msgs) or str(e)))
-
+        if not msgs:
+            for r in range(world):
+                with open(f"{err}.stderr.{r}", errors="replace") as f:
+                    msgs.append(f"rank {r} stderr (tail):\n" + f.read()[-4000:])
+        pytest.fail(f"worker failed: {e}\n" + "\n".join(msgs))
 
 
 class RecordBatches(L.Callback):
