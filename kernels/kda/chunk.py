@@ -51,6 +51,29 @@ def _row(x, rows, i):
 
 
 @triton.jit
+def _log_decay(g, bias, off, msk, i_h, cols, g_min, K: tl.constexpr, GATE: tl.constexpr):
+    """The ``[C, BK]`` log-decay tile at ``g + off`` as float32 (0 where masked). With ``GATE`` the tensor holds
+    the gate pre-activation e and the tile is ``g_min * sigmoid(e + bias)`` (bias ``[H * K]`` float32)."""
+    x = tl.load(g + off, mask=msk, other=0.0).to(tl.float32)
+    if GATE:
+        b = tl.load(bias + i_h * K + cols, mask=cols < K, other=0.0)
+        x = tl.where(msk, g_min * tl.sigmoid(x + b[None, :]), 0.0)
+    return x
+
+
+@triton.jit
+def _rnorm(x, tok, i_h, m_t, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """``1 / max(||x_t||, 1e-12)`` per row of the ``[C, K]`` slab at ``x`` (F.normalize's definition)."""
+    ss = tl.zeros([C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        b = tl.load(x + tok[:, None] * (H * K) + i_h * K + cols[None, :], mask=msk, other=0.0).to(tl.float32)
+        ss += tl.sum(b * b, axis=1)
+    return 1.0 / tl.maximum(tl.sqrt(ss), 1e-12)
+
+
+@triton.jit
 def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
     i_t = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
@@ -68,31 +91,41 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 
 @triton.jit
 def _intra_fwd(
-    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale,
+    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min, rn, rplane,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
 ):
     """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U, and the scan's
-    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G)."""
+    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
+    the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
+    reciprocal norms are stored in ``rn [2, T_total * H]`` (q, k) for the backward."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     R: tl.constexpr = (C - 1) // 2
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
+    if L2:
+        r_q = _rnorm(q, tok, i_h, m_t, H, K, C, BK)
+        r_k = _rnorm(k, tok, i_h, m_t, H, K, C, BK)
+        tl.store(rn + tok * H + i_h, r_q, mask=m_t)
+        tl.store(rn + rplane + tok * H + i_h, r_k, mask=m_t)
     A = tl.zeros([C, C], dtype=tl.float32)
     B_qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
         cols = kb + tl.arange(0, BK)
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
+        b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
         tl.store(Gc + off, b_G, mask=msk)
         b_Gr = _row(b_G, rows, R)
         up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
         dn = tl.exp(b_Gr[None, :] - b_G)
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
         b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
+        if L2:
+            b_k *= r_k[:, None]
+            b_q *= r_q[:, None]
         g_last = _row(b_G, rows, n_valid - 1)
         tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
         tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
@@ -117,8 +150,10 @@ def _intra_fwd(
         cols = kb + tl.arange(0, BK)
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_G = tl.cumsum(tl.load(g + off, mask=msk, other=0.0).to(tl.float32), axis=0)
+        b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        if L2:
+            b_k *= r_k[:, None]
         b_w = tl.dot(Xb, _op(b_k * tl.exp(b_G), F32))
         tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
     for vb in range(0, V, BV):
@@ -267,8 +302,9 @@ def _scan_bwd(
 @triton.jit
 def _main_bwd(
     q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale, plane,
+    e, bias, g_min, rn, rplane,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
 ):
     """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
 
@@ -277,6 +313,11 @@ def _main_bwd(
     scratch ``scr [3, T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G), and A. Then
     dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
     rebasing as the forward), dG and dg = reverse cumsum of dG (per channel, so per block).
+
+    With ``GATE`` the stored gradient is that of the pre-activation e: dg * g_min * sigmoid(x) sigmoid(-x),
+    x = e + bias (= s (1 - s), relative accuracy kept where s rounds to 1). With ``L2`` pass 2 works on the normalised q̂, k̂ (reciprocal norms ``rn`` from the forward), keeps
+    dq̂, dk̂ in scratch planes 3 and 4 and the row sums q̂·dq̂, k̂·dk̂; pass 3 applies the norm's backward
+    dx = r (dx̂ - x̂ (x̂·dx̂)) (no projection where the norm was clamped at 1e-12, as F.normalize).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
@@ -289,6 +330,9 @@ def _main_bwd(
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
     hbase = (i_c * H + i_h) * K * V
+    if L2:
+        r_q = tl.load(rn + tok * H + i_h, mask=m_t, other=0.0)
+        r_k = tl.load(rn + rplane + tok * H + i_h, mask=m_t, other=0.0)
     dAq = tl.zeros([C, C], dtype=tl.float32)
     dM = tl.zeros([C, C], dtype=tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
@@ -336,6 +380,8 @@ def _main_bwd(
         tl.store(scr + 2 * plane + offk, dW, mask=mk)
         tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        if L2:
+            b_k *= r_k[:, None]
         b_G = tl.load(Gc + offk, mask=mk, other=0.0)
         b_kg = b_k * tl.exp(b_G)
         dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
@@ -353,6 +399,8 @@ def _main_bwd(
     # true dg is as small as exp(g_min)).
     d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
     dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
+    dot_q = tl.zeros([C], dtype=tl.float32)
+    dot_k = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, K, BK):
         rk = kb + tl.arange(0, BK)
         m_k = rk < K
@@ -364,6 +412,9 @@ def _main_bwd(
         dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
         b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
+        if L2:
+            b_q *= r_q[:, None]
+            b_k *= r_k[:, None]
         b_G = tl.load(Gc + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
         e_g = tl.exp(b_G)
@@ -397,9 +448,33 @@ def _main_bwd(
         dGl = dGs * tl.exp(g_last) + tl.sum(x_kd, axis=0)
         dG += tl.where((rows == n_valid - 1)[:, None], dGl[None, :], 0.0)
         b_dg = tl.cumsum(dG, axis=0, reverse=True)
-        tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
-        tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
+        if GATE:
+            x = tl.load(e + offk, mask=mk, other=0.0).to(tl.float32) + tl.load(bias + i_h * K + rk, mask=m_k,
+                                                                                other=0.0)[None, :]
+            b_dg *= g_min * tl.sigmoid(x) * tl.sigmoid(-x)  # s (1 - s) without 1 - s rounding to 0 at large x
         tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
+        if L2:
+            tl.store(scr + 3 * plane + offk, b_dq, mask=mk)
+            tl.store(scr + 4 * plane + offk, b_dk, mask=mk)
+            dot_q += tl.sum(b_dq * b_q, axis=1)
+            dot_k += tl.sum(b_dk * b_k, axis=1)
+        else:
+            tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
+            tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
+    if L2:
+        tl.debug_barrier()  # pass 3 reads the dq̂, dk̂ this program wrote
+        dot_q = tl.where(r_q < 1e12, dot_q, 0.0)  # clamped norm: y = x / 1e-12, no projection
+        dot_k = tl.where(r_k < 1e12, dot_k, 0.0)
+        for kb in range(0, K, BK):
+            rk = kb + tl.arange(0, BK)
+            offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+            mk = m_t[:, None] & (rk < K)[None, :]
+            b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32) * r_q[:, None]
+            b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32) * r_k[:, None]
+            b_dq = (tl.load(scr + 3 * plane + offk, mask=mk, other=0.0) - b_q * dot_q[:, None]) * r_q[:, None]
+            b_dk = (tl.load(scr + 4 * plane + offk, mask=mk, other=0.0) - b_k * dot_k[:, None]) * r_k[:, None]
+            tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
+            tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -461,8 +536,13 @@ def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
 def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
+    gate_bias: torch.Tensor | None = None, g_min: float | None = None, qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D)``."""
+    """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``.
+
+    ``g_min`` given: ``g`` is the gate pre-activation and the kernel forms ``g_min * sigmoid(g + gate_bias)``
+    (``gate_bias`` ``[H * K]`` float32 or None). ``qk_l2norm``: q and k are L2-normalised in the kernel and
+    ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -480,12 +560,16 @@ def chunk_fwd(
     h = torch.empty(max_chunks(B * T, N, C), H, K, V, device=q.device, dtype=wdt)
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
+    Rn = torch.empty((2, B, T, H) if qk_l2norm else (0,), device=q.device, dtype=torch.float32)
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
-        return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
+        return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
     BKi = min(64, _pow2(K))
-    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, H=H, K=K, V=V, C=C, BK=BKi,
-                        BV=min(64, _pow2(V)), F32=F32, num_warps=4)
+    gate = g_min is not None
+    bias = _bias(gate_bias, gate, H * K, q.device)
+    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0,
+                        Rn if qk_l2norm else None, B * T * H, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)),
+                        F32=F32, GATE=gate, L2=qk_l2norm, num_warps=4)
     BK, BV, nw = _scan_cfg(K, V)
     _scan_fwd[(triton.cdiv(V, BV), N * H)](
         Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
@@ -493,16 +577,28 @@ def chunk_fwd(
     BVo = min(64, _pow2(V))
     _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi,
                                           BV=BVo, F32=F32, num_warps=4)
-    return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D
+    return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
+
+
+def _bias(gate_bias: torch.Tensor | None, gate: bool, n: int, device: torch.device) -> torch.Tensor | None:
+    """The kernels' ``[H * K]`` float32 gate bias: None without the fused gate, zeros when the gate has none."""
+    if not gate:
+        return None
+    if gate_bias is None:
+        return torch.zeros(n, device=device, dtype=torch.float32)
+    return gate_bias.reshape(n).to(torch.float32).contiguous()
 
 
 def chunk_bwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor, Aq: torch.Tensor,
-    Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor, D: torch.Tensor,
-    do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float, cu_seqlens: torch.Tensor | None,
-    C: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor,
+    Aq: torch.Tensor, Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor,
+    D: torch.Tensor, Rn: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, need_dh0: bool, scale: float,
+    cu_seqlens: torch.Tensor | None, C: int, gate_bias: torch.Tensor | None = None, g_min: float | None = None,
+    qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Backward launches. Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dg and dh0 are float32."""
+    """Backward launches, fusion arguments as :func:`chunk_fwd` (``g`` is read only with the fused gate).
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dg (of the log-decay, or of the pre-activation with the fused
+    gate) and dh0 are float32."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -523,9 +619,12 @@ def chunk_bwd(
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
     plane = B * T * H * K
-    scr = torch.empty(3 * plane, device=q.device, dtype=torch.float32)  # dQg, dKd, dW between the two passes
+    # dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ between passes 2 and 3
+    scr = torch.empty((5 if qk_l2norm else 3) * plane, device=q.device, dtype=torch.float32)
     dgs = torch.empty(h.shape[0] * H * K, device=q.device, dtype=torch.float32)
+    gate = g_min is not None
     _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale,
-                       plane, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)), BV=min(64, _pow2(V)), F32=F32,
-                       num_warps=4)
+                       plane, g if gate else None, _bias(gate_bias, gate, H * K, q.device), g_min if gate else 0.0,
+                       Rn if qk_l2norm else None, B * T * H, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
+                       BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=4)
     return dq, dk, dv, dg, dbeta, dh0

@@ -201,6 +201,120 @@ def test_torch_compile_no_graph_break(seed):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Fused gate (g = g_min * sigmoid(e + bias)) and q/k L2 norm inside the kernels
+# ------------------------------------------------------------------------------------------------------------
+
+FUSED_NAMES = ("q", "k", "v", "e", "beta", "h0", "bias")
+
+
+def run_fused(B, T, H, K, V, gate=True, l2=True, g_min=-5.0, e_shift=0.0, tiny_q_row=False, cu_seqlens=None,
+              dtype=torch.float32, device=DEV, N=None):
+    """Raw (unnormalised, scaled) q, k and the gate pre-activation e through the fused kernels, against the
+    float64 reference fed with F.normalize(q), F.normalize(k) and g_min * sigmoid(e + bias) formed in float64.
+    Returns relative RMS errors of the outputs and of every input's gradient (bias included)."""
+    from k3lit.kernels.kda import kda_triton
+
+    q = torch.randn(B, T, H, K, device=device) * 3
+    if tiny_q_row:  # norm ~4e-15 < 1e-12: F.normalize divides by 1e-12 instead (q̂ not unit, no projection)
+        q[:, 0, 0] *= 1e-15
+    k = torch.randn(B, T, H, K, device=device) * 0.3
+    v = torch.randn(B, T, H, V, device=device)
+    e = torch.randn(B, T, H, K, device=device) * 2 + e_shift
+    beta = torch.sigmoid(torch.randn(B, T, H, device=device))
+    h0 = torch.randn(N or B, H, K, V, device=device) * 0.5
+    bias = torch.randn(H * K, device=device)
+    if not l2:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if not gate:
+        e = g_min * torch.sigmoid(e)
+    q, k, v, e = (x.to(dtype) for x in (q, k, v, e))
+    inputs = [q, k, v, e, beta, h0, bias]
+    ours = [x.detach().clone().requires_grad_() for x in inputs]
+    ref = [x.detach().double().requires_grad_() for x in inputs]
+    o, ht = kda_triton(*ours[:5], None, ours[5], True, cu_seqlens, g_min=g_min, use_gate_in_kernel=gate,
+                       gate_bias=ours[6] if gate else None, use_qk_l2norm_in_kernel=l2)
+    rq, rk, rv, re, rb, rh0, rbias = ref
+    if l2:
+        rq, rk = F.normalize(rq, dim=-1), F.normalize(rk, dim=-1)
+    x = re + rbias.view(H, K)
+    # sigmoid's autograd forms s (1 - s): at x = 30 even float64 keeps only ~3 digits of 1 - s. Each branch here
+    # differentiates a sigmoid of a non-positive argument, whose s (1 - s) is exact to rounding.
+    rg = g_min * torch.where(x >= 0, 1 - torch.sigmoid(-x), torch.sigmoid(x)) if gate else re
+    o_r, ht_r = kda_reference(rq, rk, rv, rg, rb, None, rh0, True, cu_seqlens)
+    do, dht = torch.randn_like(o_r), torch.randn_like(ht_r)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((o_r * do).sum() + (ht_r * dht).sum()).backward()
+    err = {"o": rel_rms(o, o_r), "ht": rel_rms(ht, ht_r)}
+    for name, a, b in zip(FUSED_NAMES, ours, ref):
+        if name == "bias" and not gate:
+            assert a.grad is None
+            continue
+        assert a.grad.dtype == a.dtype and a.grad.shape == a.shape, name
+        err[name] = rel_rms(a.grad, b.grad)
+    return err
+
+
+FUSED_TOL = dict.fromkeys(("o", "ht") + FUSED_NAMES, TOL_F32)
+
+
+@pytest.mark.parametrize(
+    "B,T,H,K,V,gate,l2",
+    [
+        (1, 45, 2, 24, 16, True, True),  # T not a multiple of the chunk; both fusions
+        (2, 33, 1, 80, 20, True, True),  # K above one 64-wide block: the norm spans blocks (pass 3 of the bwd)
+        (1, 40, 1, 16, 16, True, False),  # gate only
+        (1, 40, 1, 16, 16, False, True),  # L2 only
+        (1, 1, 1, 16, 16, True, True),  # T = 1
+    ],
+)
+def test_fused_gate_and_l2norm_match_reference(seed, B, T, H, K, V, gate, l2):
+    assert_errors(run_fused(B, T, H, K, V, gate=gate, l2=l2), FUSED_TOL)
+
+
+@pytest.mark.parametrize("e_shift", [30.0, -30.0])
+def test_fused_gate_saturated(seed, e_shift):
+    """e + bias far above 0: g at g_min (exponents at their bound, sigmoid' ~ 0); far below: g = 0."""
+    assert_errors(run_fused(1, 40, 1, 16, 16, e_shift=e_shift), FUSED_TOL)
+
+
+def test_fused_varlen_and_strong_bound(seed):
+    lens = [5, 33, 0, 12]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=DEV)
+    assert_errors(run_fused(1, sum(lens), 1, 16, 16, cu_seqlens=cu, N=len(lens)), FUSED_TOL)
+    assert_errors(run_fused(1, 37, 1, 16, 16, g_min=-10.0), FUSED_TOL)  # C = 16
+
+
+def test_fused_l2norm_clamped_row(seed):
+    """A query row with norm below F.normalize's eps = 1e-12: q / 1e-12 and gradient dq̂ / 1e-12, no projection."""
+    assert_errors(run_fused(1, 20, 1, 16, 16, tiny_q_row=True), FUSED_TOL)
+
+
+def test_fused_gate_bias_errors():
+    from k3lit.kernels.kda import kda_triton
+
+    q, k, v, g, beta, _ = make_inputs(1, 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="use_gate_in_kernel"):
+        kda_triton(q, k, v, g, beta, gate_bias=torch.zeros(32))
+    with pytest.raises(ValueError, match=r"\[H \* K\]"):
+        kda_triton(q, k, v, g, beta, use_gate_in_kernel=True, gate_bias=torch.zeros(31))
+
+
+def test_fused_torch_compile_no_graph_break(seed):
+    from k3lit.kernels.kda import kda_triton
+
+    q, k, v, e, beta, _ = make_inputs(1, 12, 1, 16, 16)
+    bias = torch.zeros(16, requires_grad=True)
+    q, k, v, e, beta = (x.requires_grad_() for x in (q * 2, k, v, e, beta))
+
+    def f(q, k, v, e, beta, bias):
+        o, _ = kda_triton(q, k, v, e, beta, use_gate_in_kernel=True, gate_bias=bias, use_qk_l2norm_in_kernel=True)
+        return o.square().sum()
+
+    torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, e, beta, bias).backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v, e, beta, bias))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # GPU: bf16 inputs at training shapes, REFERENCE.md tolerances
 # ------------------------------------------------------------------------------------------------------------
 
@@ -250,3 +364,11 @@ def test_gpu_decode_matches_reference(seed):
     o, _ = kda_decode_triton(q, k, v, g, beta, state)
     o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(), True)
     assert rel_rms(o, o_r) < TOL_BF16["o"] and rel_rms(state, ht_r) < TOL_BF16["ht"]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("K", [128, 100])
+def test_gpu_fused_gate_and_l2norm(seed, K):
+    err = run_fused(2, 600, 2, K, 128, dtype=torch.bfloat16, device="cuda")
+    assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})

@@ -51,6 +51,19 @@ def check_inputs(
         )
 
 
+def check_gate_bias(gate_bias: torch.Tensor | None, use_gate_in_kernel: bool, H: int, K: int) -> None:
+    """Raise ``ValueError`` for a gate bias that the fused gate cannot use: given without ``use_gate_in_kernel``
+    (it would be silently ignored), or not ``H * K`` values."""
+    if gate_bias is None:
+        return
+    if not use_gate_in_kernel:
+        raise ValueError("gate_bias is only used by the fused gate: pass use_gate_in_kernel=True (g is then the "
+                         "gate pre-activation) or add the bias yourself before bounded_log_decay")
+    if gate_bias.numel() != H * K or gate_bias.shape not in ((H * K,), (H, K)):
+        raise ValueError(f"gate_bias must be [H * K] = [{H * K}] or [H, K] = [{H}, {K}], got "
+                         f"{tuple(gate_bias.shape)}")
+
+
 def split_varlen(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """``[N + 1]`` cumulative lengths -> list of ``(start, end)`` token ranges."""
     cs = cu_seqlens.tolist()
