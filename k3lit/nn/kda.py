@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3lit.nn.short_conv import ShortConvolution
-from k3lit.ops.kda import bounded_log_decay, check_gate_bound, kda, kda_step, largest_safe_chunk
+from k3lit.ops.kda import check_gate_bound, kda, kda_step, largest_safe_chunk
 
 
 @dataclass
@@ -82,17 +81,17 @@ class KimiDeltaAttention(nn.Module):
         want_state = return_state or state is not None
         qkv, conv = self.qkv_conv(self.qkv_proj(x), None if state is None else state.conv)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # [B, T, H, K] each
-        # L2 norm (autocast runs it in float32), then one dtype for the op's matrix operands
-        q = F.normalize(q, dim=-1).to(v.dtype)
-        k = F.normalize(k, dim=-1).to(v.dtype)
         b_logit, f_low, o_low = self.down_proj(x).split([H, K, K], dim=-1)
         beta = torch.sigmoid(b_logit.to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
-        g = bounded_log_decay(self.f_up(f_low) + self.gate_bias, self.g_min).view(B, T, H, K)
+        e = self.f_up(f_low).view(B, T, H, K)  # gate pre-activation
+        # The op L2-normalises q and k and forms g = g_min * sigmoid(e + gate_bias) (inside the Triton kernels)
+        fused = dict(g_min=self.g_min, use_gate_in_kernel=True, gate_bias=self.gate_bias,
+                     use_qk_l2norm_in_kernel=True)
         h0 = None if state is None else state.recurrent
         if T == 1 and state is not None:  # decoding: one recurrent step (fused Triton kernel on CUDA)
-            o, h = kda_step(q, k, v, g, beta, h0, backend=self.backend)
+            o, h = kda_step(q, k, v, e, beta, h0, backend=self.backend, **fused)
         else:
-            o, h = kda(q, k, v.contiguous(), g, beta, None, h0, want_state, backend=self.backend, g_min=self.g_min)
+            o, h = kda(q, k, v.contiguous(), e, beta, None, h0, want_state, backend=self.backend, **fused)
         o = self.o_norm(o) * torch.sigmoid(self.o_up(o_low)).view(B, T, H, K)
         y = self.o_proj(o.reshape(B, T, H * K))
         return y, (KDAState(conv, h) if want_state else None)

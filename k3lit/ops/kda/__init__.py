@@ -4,11 +4,12 @@ Triton) and the bounded-gate safety checks. See ``README.md`` in this folder for
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from k3lit.ops.kda.chunk import kda_chunk
 from k3lit.ops.kda.gate import bounded_log_decay, softplus_log_decay
 from k3lit.ops.kda.reference import kda_reference
-from k3lit.ops.kda.validate import check_gate_bound, check_inputs, largest_safe_chunk
+from k3lit.ops.kda.validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 
@@ -22,6 +23,32 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fuse_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    g_min: float,
+    use_gate_in_kernel: bool = False,
+    gate_bias: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In PyTorch, what the Triton kernels fuse: ``(F.normalize(q), F.normalize(k))`` over the head dimension (in
+    q's dtype) with ``use_qk_l2norm_in_kernel``, and ``g = g_min * sigmoid(e + gate_bias)`` (float32, e = ``g``)
+    with ``use_gate_in_kernel``; inputs pass through unchanged otherwise. Shapes as :func:`kda`.
+
+    Raises:
+        ValueError: a gate_bias without use_gate_in_kernel, or not ``[H * K]`` / ``[H, K]``.
+    """
+    H, K = q.shape[-2:]
+    check_gate_bias(gate_bias, use_gate_in_kernel, H, K)
+    if use_qk_l2norm_in_kernel:
+        q = F.normalize(q, dim=-1).to(q.dtype)
+        k = F.normalize(k, dim=-1).to(k.dtype)
+    if use_gate_in_kernel:
+        g = bounded_log_decay(g if gate_bias is None else g + gate_bias.view(H, K), g_min)
+    return q, k, g
 
 
 def kda(
@@ -38,11 +65,15 @@ def kda(
     *,
     g_min: float = -5.0,
     chunk_size: int | None = None,
+    use_gate_in_kernel: bool = False,
+    gate_bias: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi Delta Attention (gated delta rule with per-channel decay), chunked.
 
     Args:
-        q, k: ``[B, T, H, K]`` queries and keys, any float dtype (the layer L2-normalises them).
+        q, k: ``[B, T, H, K]`` queries and keys, any float dtype, L2-normalised over K (by the caller, or here
+            with ``use_qk_l2norm_in_kernel``).
         v: ``[B, T, H, V]`` values.
         g: ``[B, T, H, K]`` per-channel log-decay in ``[g_min, 0]`` (natural-log units), e.g. from
             :func:`k3lit.ops.bounded_log_decay`.
@@ -55,13 +86,18 @@ def kda(
             (token-by-token recurrence) or ``"triton"``.
         g_min: the lower bound the gate guarantees; with ``chunk_size`` it fixes the largest exponent.
         chunk_size: tokens per chunk; default: the largest power of two <= 64 that is safe for g_min.
+        use_gate_in_kernel: ``g`` holds the gate pre-activation e; the op forms ``g_min * sigmoid(e + gate_bias)``
+            (inside the Triton kernels; in PyTorch for the other backends, see :func:`fuse_inputs`).
+        gate_bias: ``[H * K]`` or ``[H, K]`` bias of the fused gate; receives a gradient.
+        use_qk_l2norm_in_kernel: L2-normalise q and k here (inside the Triton kernels), gradients included.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)``.
 
     Raises:
-        ValueError: mismatched shapes, an unknown backend, or a g_min / chunk_size pair whose
-            ``exp(±G)`` could overflow float32/bfloat16 (see :func:`check_gate_bound`).
+        ValueError: mismatched shapes, an unknown backend, a g_min / chunk_size pair whose
+            ``exp(±G)`` could overflow float32/bfloat16 (see :func:`check_gate_bound`), or a gate_bias without
+            use_gate_in_kernel.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -71,15 +107,17 @@ def kda(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton_available() else "torch"
-    if backend == "reference":
-        return kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if backend == "triton":
         from k3lit.kernels.kda import kda_triton
 
         return kda_triton(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_min=g_min, chunk_size=chunk_size
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_min=g_min, chunk_size=chunk_size,
+            use_gate_in_kernel=use_gate_in_kernel, gate_bias=gate_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
-    if not q.is_cuda and g.numel() and (g.min() < g_min - 1e-6 or g.max() > 0):
+    q, k, g = fuse_inputs(q, k, g, g_min, use_gate_in_kernel, gate_bias, use_qk_l2norm_in_kernel)
+    if backend == "reference":
+        return kda_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    if not use_gate_in_kernel and not q.is_cuda and g.numel() and (g.min() < g_min - 1e-6 or g.max() > 0):
         raise ValueError(
             f"g must lie in [g_min, 0] = [{g_min}, 0], got [{g.min().item():.4g}, {g.max().item():.4g}]; "
             "produce it with bounded_log_decay or pass the bound your gate guarantees as g_min"
@@ -96,6 +134,11 @@ def kda_step(
     state: torch.Tensor,
     scale: float | None = None,
     backend: str = "auto",
+    *,
+    g_min: float = -5.0,
+    use_gate_in_kernel: bool = False,
+    gate_bias: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One recurrent KDA step for decoding: the fused Triton kernel on CUDA, the recurrence elsewhere.
 
@@ -104,12 +147,15 @@ def kda_step(
         state: ``[B, H, K, V]`` float32 state before the token. The Triton path updates it in place.
         scale: default ``K ** -0.5``.
         backend: as :func:`kda`; ``"auto"`` and ``"triton"`` use the kernel when a CUDA device has it.
+        g_min, use_gate_in_kernel, gate_bias, use_qk_l2norm_in_kernel: as :func:`kda` (applied in PyTorch
+            before the step: one token's worth of work).
 
     Returns:
         ``(o [B, 1, H, V] in v's dtype, state after the token [B, H, K, V] float32)``.
     """
     if q.shape[1] != 1:
         raise ValueError(f"kda_step decodes one token, got T = {q.shape[1]}")
+    q, k, g = fuse_inputs(q, k, g, g_min, use_gate_in_kernel, gate_bias, use_qk_l2norm_in_kernel)
     if backend in ("auto", "triton") and q.is_cuda and triton_available():
         from k3lit.kernels.kda import kda_decode_triton
 
@@ -120,6 +166,7 @@ def kda_step(
 __all__ = [
     "kda",
     "kda_step",
+    "fuse_inputs",
     "kda_reference",
     "bounded_log_decay",
     "softplus_log_decay", "check_gate_bound", "largest_safe_chunk", "triton_available"]
