@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import subprocess
@@ -119,8 +120,8 @@ def main() -> None:
     ptxas = subprocess.run([get_ptxas(90).path, "--version"], capture_output=True, text=True).stdout
     ptxas = ptxas.strip().splitlines()[-1]
     lines = [
-        f"Compiled offline for sm_90a (H200) by `python benchmarks/kernel_resources.py` · triton {triton.__version__}"
-        f" · {ptxas}. Per thread: registers (255 is the limit), bytes spilled to local memory (stores / loads); per "
+        f"{datetime.date.today()} · compiled offline (no GPU) for sm_90a (H200) by `python "
+        f"benchmarks/kernel_resources.py` · triton {triton.__version__} · ptxas {ptxas}. Per thread: registers (255 is the limit), bytes spilled to local memory (stores / loads); per "
         "block: static shared memory; blocks/SM = how many blocks the register file holds (65,536 registers).",
         "",
         "| configuration | kernel | registers | spill stores / loads (B) | shared KiB | warps | blocks/SM |",
