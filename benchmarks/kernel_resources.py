@@ -122,7 +122,8 @@ def main() -> None:
     lines = [
         f"{datetime.date.today()} · compiled offline (no GPU) for sm_90a (H200) by `python "
         f"benchmarks/kernel_resources.py` · triton {triton.__version__} · ptxas {ptxas}. Per thread: registers "
-        "(255 is the limit), bytes spilled to local memory (stores / loads); per block: static shared memory; blocks/SM = how many blocks the register file holds (65,536 registers).",
+        "(255 is the limit), bytes spilled to local memory (stores / loads); per block: static shared memory; "
+        "blocks/SM = how many blocks the register file holds (65,536 registers).",
         "",
         "| configuration | kernel | registers | spill stores / loads (B) | shared KiB | warps | blocks/SM |",
         "|---|---|---:|---:|---:|---:|---:|",
