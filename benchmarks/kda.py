@@ -20,7 +20,12 @@ FLOP model (the same for both KDA implementations, so TFLOP/s compare like with 
 with chunk C = 64, forward = 6CK + 4CV + 6KV (A_kk, A_qk, W, U, W S, Q S, Aq Delta, state update) and
 forward+backward = 3x forward. SDPA causal: forward 2 T^2 D per head (half of 4 T^2 D), backward 2.5x.
 
-Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--no-sdpa] [--results benchmarks/RESULTS.md]``.
+``--fused-inputs`` times the op as the layer calls it, from raw q, k and the gate pre-activation e: ours with
+the gate ``g_min * sigmoid(e + bias)`` and the q/k L2 norm fused into the kernels, ours with both done in
+PyTorch first, and fla with its in-kernel L2 norm and the gate in PyTorch (fla's in-kernel gate is another
+formula); section "KDA with fused gate and q/k L2 norm".
+
+Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--no-sdpa] [--fused-inputs] [--results ...]``.
 """
 
 from __future__ import annotations
@@ -144,6 +149,59 @@ def correctness(fla_fn) -> tuple[bool, list[str]]:
     return ok, lines
 
 
+def raw_inputs(B, T, H, D, device="cuda", dtype=torch.bfloat16):
+    """Unnormalised q, k, the gate pre-activation e, v, beta (bf16) and a float32 gate bias [H * D], all
+    requiring grad: what the KDA layer hands the op."""
+    xs = [torch.randn(B, T, H, D, device=device) * 2, torch.randn(B, T, H, D, device=device),
+          torch.randn(B, T, H, D, device=device), torch.randn(B, T, H, D, device=device) * 2,
+          torch.sigmoid(torch.randn(B, T, H, device=device))]
+    xs = [x.to(dtype) for x in xs] + [torch.randn(H * D, device=device)]
+    return [x.requires_grad_() for x in xs]
+
+
+def variants(fla_fn=None) -> dict:
+    """Callables ``(q, k, v, e, beta, bias) -> (o, None)`` for ``--fused-inputs``."""
+    from k3lit.ops.kda import fuse_inputs
+
+    def fused(q, k, v, e, beta, bias):
+        return kda_triton(q, k, v, e, beta, g_min=G_MIN, use_gate_in_kernel=True, gate_bias=bias,
+                          use_qk_l2norm_in_kernel=True)
+
+    def unfused(q, k, v, e, beta, bias):
+        q, k, g = fuse_inputs(q, k, e, G_MIN, True, bias, True)
+        return kda_triton(q, k, v, g, beta, g_min=G_MIN)
+
+    out = {"k3lit fused": fused, "k3lit unfused": unfused}
+    if fla_fn is not None:
+        def fla_l2(q, k, v, e, beta, bias):
+            _, _, g = fuse_inputs(q, k, e, G_MIN, True, bias, False)
+            return fla_fn(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, safe_gate=True, lower_bound=G_MIN,
+                          use_qk_l2norm_in_kernel=True)
+
+        out["fla (L2 in kernel)"] = fla_l2
+    return out
+
+
+def fused_inputs_table(fla_fn, shapes) -> list[str]:
+    """Markdown rows: median fwd+bwd ms of every variant at each shape."""
+    fns = variants(fla_fn)
+    lines = ["Median fwd+bwd ms (triton.testing.do_bench) from raw bf16 q, k, e (unnormalised) and a float32 "
+             "gate bias, gradients to all of them; speedup = unfused / fused.", "",
+             "| B | T | H | D | " + " | ".join(fns) + " | fused speedup |", "|---" * (5 + len(fns)) + "|"]
+    for B, T, H, D in shapes:
+        xs = raw_inputs(B, T, H, D)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        ms = {}
+        for name, fn in fns.items():
+            fn(*xs)[0].backward(do)  # compile / autotune outside the timing
+            ms[name] = bench(lambda fn=fn, xs=xs, do=do: fn(*xs)[0].backward(do))
+        row = (f"| {B} | {T} | {H} | {D} | " + " | ".join(f"{t:.2f}" for t in ms.values())
+               + f" | {ms['k3lit unfused'] / ms['k3lit fused']:.2f}x |")
+        print(row, flush=True)
+        lines.append(row)
+    return lines
+
+
 def bench(fn, rep=100):
     import triton.testing
 
@@ -208,11 +266,12 @@ def target_status(speedups: list[tuple[float, float]]) -> str:
             f"(lowest fwd speedup {fwd:.2f}x, lowest f+b speedup {fb:.2f}x).")
 
 
-def write_results(path, body):
+def write_results(path, body, title="KDA kernels"):
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    section = "## KDA kernels\n\n" + body.strip() + "\n"
-    if re.search(r"^## KDA kernels\n", text, flags=re.M):
-        text = re.sub(r"^## KDA kernels\n.*?(?=^## |\Z)", section + "\n", text, flags=re.M | re.S)
+    section = f"## {title}\n\n" + body.strip() + "\n"
+    if re.search(rf"^## {re.escape(title)}\n", text, flags=re.M):
+        text = re.sub(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", lambda _: section + "\n", text,
+                      flags=re.M | re.S)
     else:
         text = text.rstrip() + "\n\n" + section
     with open(path, "w") as f:
@@ -227,9 +286,17 @@ def main():
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     ap.add_argument("--time-anyway", action="store_true", help="print timings even on a red correctness gate")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
+    ap.add_argument("--fused-inputs", action="store_true", help="only the fused gate / L2 norm table")
     args = ap.parse_args()
     import triton
 
+    if args.fused_inputs:
+        fla_fn = None if args.no_fla else load_fla()
+        head = (f"Date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                f"triton {triton.__version__}" + (", fla-core " + __import__("fla").__version__ if fla_fn else ""))
+        lines = fused_inputs_table(fla_fn, SHAPES[:2] if args.quick else SHAPES[:6])
+        write_results(args.results, "\n".join([head, "", *lines]), "KDA with fused gate and q/k L2 norm")
+        return
     if args.fla_compile_worker:
         from benchmarks.triton_warm import compile_only
 

@@ -372,3 +372,13 @@ def test_gpu_decode_matches_reference(seed):
 def test_gpu_fused_gate_and_l2norm(seed, K):
     err = run_fused(2, 600, 2, K, 128, dtype=torch.bfloat16, device="cuda")
     assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})
+
+
+def test_benchmark_input_variants_agree(seed):
+    """benchmarks/kda.py --fused-inputs times these callables; on the same raw inputs they must compute one thing."""
+    from benchmarks.kda import raw_inputs, variants
+
+    xs = raw_inputs(1, 40, 2, 16, device=DEV, dtype=torch.float32)
+    outs = {name: fn(*xs)[0] for name, fn in variants().items()}
+    assert set(outs) == {"k3lit fused", "k3lit unfused"}
+    assert rel_rms(outs["k3lit fused"], outs["k3lit unfused"]) < 1e-5
