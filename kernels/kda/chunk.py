@@ -91,14 +91,14 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 
 @triton.jit
 def _intra_fwd(
-    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min, rn, rplane,
+    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
 ):
     """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U, and the scan's
     operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
     the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
-    reciprocal norms are stored in ``rn [2, T_total * H]`` (q, k) for the backward."""
+    reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     R: tl.constexpr = (C - 1) // 2
@@ -108,8 +108,8 @@ def _intra_fwd(
     if L2:
         r_q = _rnorm(q, tok, i_h, m_t, H, K, C, BK)
         r_k = _rnorm(k, tok, i_h, m_t, H, K, C, BK)
-        tl.store(rn + tok * H + i_h, r_q, mask=m_t)
-        tl.store(rn + rplane + tok * H + i_h, r_k, mask=m_t)
+        tl.store(rnq + tok * H + i_h, r_q, mask=m_t)
+        tl.store(rnk + tok * H + i_h, r_k, mask=m_t)
     A = tl.zeros([C, C], dtype=tl.float32)
     B_qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
@@ -301,8 +301,8 @@ def _scan_bwd(
 
 @triton.jit
 def _main_bwd(
-    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale, plane,
-    e, bias, g_min, rn, rplane,
+    q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, s_dqg, s_dkd, s_dw, s_dq, s_dk, dgs, cu, cidx,
+    scale, e, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
 ):
@@ -310,13 +310,13 @@ def _main_bwd(
 
     Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
     K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T (kept in the float32
-    scratch ``scr [3, T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G), and A. Then
-    dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
+    scratch ``s_dqg``, ``s_dkd``, ``s_dw``, each ``[T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G),
+    and A. Then dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
     rebasing as the forward), dG and dg = reverse cumsum of dG (per channel, so per block).
 
     With ``GATE`` the stored gradient is that of the pre-activation e: dg * g_min * sigmoid(x) sigmoid(-x),
     x = e + bias (= s (1 - s), relative accuracy kept where s rounds to 1). With ``L2`` pass 2 works on the
-    normalised q̂, k̂ (reciprocal norms ``rn`` from the forward), keeps dq̂, dk̂ in scratch planes 3 and 4 and
+    normalised q̂, k̂ (reciprocal norms ``rnq``, ``rnk``), keeps dq̂, dk̂ in ``s_dq``, ``s_dk`` and
     the row sums q̂·dq̂, k̂·dk̂; pass 3 applies the norm's backward dx = r (dx̂ - x̂ (x̂·dx̂)) (no projection where
     the norm was clamped at 1e-12, as F.normalize).
     """
@@ -332,8 +332,8 @@ def _main_bwd(
     b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
     hbase = (i_c * H + i_h) * K * V
     if L2:
-        r_q = tl.load(rn + tok * H + i_h, mask=m_t, other=0.0)
-        r_k = tl.load(rn + rplane + tok * H + i_h, mask=m_t, other=0.0)
+        r_q = tl.load(rnq + tok * H + i_h, mask=m_t, other=0.0)
+        r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
     dAq = tl.zeros([C, C], dtype=tl.float32)
     dM = tl.zeros([C, C], dtype=tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
@@ -376,9 +376,9 @@ def _main_bwd(
             dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
             dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
             dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        tl.store(scr + offk, dQg, mask=mk)
-        tl.store(scr + plane + offk, dKd, mask=mk)
-        tl.store(scr + 2 * plane + offk, dW, mask=mk)
+        tl.store(s_dqg + offk, dQg, mask=mk)
+        tl.store(s_dkd + offk, dKd, mask=mk)
+        tl.store(s_dw + offk, dW, mask=mk)
         tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
         if L2:
@@ -407,9 +407,9 @@ def _main_bwd(
         m_k = rk < K
         offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         mk = m_t[:, None] & m_k[None, :]
-        dQg = tl.load(scr + offk, mask=mk, other=0.0)
-        dKd = tl.load(scr + plane + offk, mask=mk, other=0.0)
-        dW = tl.load(scr + 2 * plane + offk, mask=mk, other=0.0)
+        dQg = tl.load(s_dqg + offk, mask=mk, other=0.0)
+        dKd = tl.load(s_dkd + offk, mask=mk, other=0.0)
+        dW = tl.load(s_dw + offk, mask=mk, other=0.0)
         dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
         b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
@@ -455,8 +455,8 @@ def _main_bwd(
             b_dg *= g_min * tl.sigmoid(x) * tl.sigmoid(-x)  # s (1 - s) without 1 - s rounding to 0 at large x
         tl.store(dg + offk, b_dg.to(dg.dtype.element_ty), mask=mk)
         if L2:
-            tl.store(scr + 3 * plane + offk, b_dq, mask=mk)
-            tl.store(scr + 4 * plane + offk, b_dk, mask=mk)
+            tl.store(s_dq + offk, b_dq, mask=mk)
+            tl.store(s_dk + offk, b_dk, mask=mk)
             dot_q += tl.sum(b_dq * b_q, axis=1)
             dot_k += tl.sum(b_dk * b_k, axis=1)
         else:
@@ -472,8 +472,8 @@ def _main_bwd(
             mk = m_t[:, None] & (rk < K)[None, :]
             b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32) * r_q[:, None]
             b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32) * r_k[:, None]
-            b_dq = (tl.load(scr + 3 * plane + offk, mask=mk, other=0.0) - b_q * dot_q[:, None]) * r_q[:, None]
-            b_dk = (tl.load(scr + 4 * plane + offk, mask=mk, other=0.0) - b_k * dot_k[:, None]) * r_k[:, None]
+            b_dq = (tl.load(s_dq + offk, mask=mk, other=0.0) - b_q * dot_q[:, None]) * r_q[:, None]
+            b_dk = (tl.load(s_dk + offk, mask=mk, other=0.0) - b_k * dot_k[:, None]) * r_k[:, None]
             tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
             tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
 
@@ -568,9 +568,10 @@ def chunk_fwd(
     BKi = min(64, _pow2(K))
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
+    rnq, rnk = Rn if qk_l2norm else (None, None)
     _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0,
-                        Rn if qk_l2norm else None, B * T * H, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)),
-                        F32=F32, GATE=gate, L2=qk_l2norm, num_warps=4)
+                        rnq, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
+                        num_warps=4)
     BK, BV, nw = _scan_cfg(K, V)
     _scan_fwd[(triton.cdiv(V, BV), N * H)](
         Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
@@ -619,13 +620,14 @@ def chunk_bwd(
     _scan_bwd[(triton.cdiv(V, BV), N * H)](
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
-    plane = B * T * H * K
-    # dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ between passes 2 and 3
-    scr = torch.empty((5 if qk_l2norm else 3) * plane, device=q.device, dtype=torch.float32)
+    # float32 scratch: dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ (passes 2 -> 3)
+    scr = torch.empty(5 if qk_l2norm else 3, B, T, H, K, device=q.device, dtype=torch.float32)
+    s_dq, s_dk = (scr[3], scr[4]) if qk_l2norm else (None, None)
     dgs = torch.empty(h.shape[0] * H * K, device=q.device, dtype=torch.float32)
     gate = g_min is not None
-    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr, dgs, cu, cidx, scale,
-                       plane, g if gate else None, _bias(gate_bias, gate, H * K, q.device), g_min if gate else 0.0,
-                       Rn if qk_l2norm else None, B * T * H, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
+    rnq, rnk = Rn if qk_l2norm else (None, None)
+    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2], s_dq,
+                       s_dk, dgs, cu, cidx, scale, g if gate else None, _bias(gate_bias, gate, H * K, q.device),
+                       g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
                        BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=4)
     return dq, dk, dv, dg, dbeta, dh0
