@@ -81,13 +81,14 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16): KDA as issue 3's B4·T4096·H16 and K = V = 128 / 256 (plain inputs, and with the
     gate and q/k L2 norm fused), the depth mix at N = 11 over B2·T4096·D1024, the q|k|v short convolution of
-    the small recipe (B16·T2048, 3·8·128 channels)."""
+    the small recipe (B16·T2048, 3·8·128 channels), and one with more than 2^31 elements."""
     return {
         "KDA K=V=128": _kda(4, 4096, 16, 128, 128, False, False),
         "KDA K=V=128, gate + q/k L2 norm fused": _kda(4, 4096, 16, 128, 128, True, True),
         "KDA K=V=256": _kda(1, 8192, 32, 256, 256, False, False),
         "AttnRes mix N=11 D=1024": _attn_res(11, 2 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
+        "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8192),
     }
 
 

@@ -230,7 +230,7 @@ def _out_fwd(
         offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         mk = m_t[:, None] & m_k[None, :]
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-        b_h = tl.load(h + (i_c * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
+        b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc += tl.dot(_op(b_qg, F32), _op(b_h, F32))
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
@@ -330,7 +330,7 @@ def _main_bwd(
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
-    hbase = (i_c * H + i_h) * K * V
+    hbase = (i_c.to(tl.int64) * H + i_h) * K * V  # int64: chunks x H x K x V passes 2^31 at long T, many heads
     if L2:
         r_q = tl.load(rnq + tok * H + i_h, mask=m_t, other=0.0)
         r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)

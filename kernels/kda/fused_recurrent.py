@@ -19,7 +19,7 @@ def _fused_recurrent_fwd(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # state offsets N H K V: int64
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)

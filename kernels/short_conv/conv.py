@@ -39,8 +39,10 @@ def _pre(x_ptr, w_ptr, b, t, c, T, C, W: tl.constexpr):
 
 
 @triton.jit
-def _fwd(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _fwd(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
+        b = b.to(tl.int64)
     t = pt * BT + tl.arange(0, BT)
     c = pc * BC + tl.arange(0, BC)
     pre = _pre(x_ptr, w_ptr, b, t, c, T, C, W)
@@ -60,8 +62,11 @@ def _dpre(x_ptr, w_ptr, dy_ptr, b, t, c, T, C, W: tl.constexpr):
 
 
 @triton.jit
-def _bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+         BIG: tl.constexpr):
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
+        b = b.to(tl.int64)
     s = pt * BT + tl.arange(0, BT)
     c = pc * BC + tl.arange(0, BC)
     cmask = c < C
@@ -86,7 +91,7 @@ def conv_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     B, T, C = x.shape
     y = torch.empty_like(x)
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
-    _fwd[grid](x, w, y, T, C, W=w.shape[1], BT=BT, BC=BC, num_warps=4)
+    _fwd[grid](x, w, y, T, C, W=w.shape[1], BT=BT, BC=BC, BIG=x.numel() >= 2**31, num_warps=4)
     return y
 
 
@@ -97,5 +102,6 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.
     nt = triton.cdiv(T, BT)
     dx = torch.empty_like(x)
     dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
-    _bwd[(nt, triton.cdiv(C, BC), B)](x, w, dy, dx, dw_part, T, C, W=W, BT=BT, BC=BC, num_warps=4)
+    _bwd[(nt, triton.cdiv(C, BC), B)](x, w, dy, dx, dw_part, T, C, W=W, BT=BT, BC=BC, BIG=x.numel() >= 2**31,
+                                      num_warps=4)
     return dx, dw_part.sum(0).to(w.dtype)

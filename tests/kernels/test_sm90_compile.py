@@ -27,6 +27,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected = {(c, n) for c in ("KDA K=V=128", "KDA K=V=128, gate + q/k L2 norm fused", "KDA K=V=256") for n in kda}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
+    expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd")}
     assert compiled == expected
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["num_warps"] in (4, 8), r
