@@ -289,6 +289,17 @@ def test_fused_l2norm_clamped_row(seed):
     assert_errors(run_fused(1, 20, 1, 16, 16, tiny_q_row=True), FUSED_TOL)
 
 
+def test_fused_gate_without_bias_equals_log_decay_input(seed):
+    from k3lit.kernels.kda import kda_triton
+
+    q, k, v, _, beta, h0 = make_inputs(1, 40, 2, 16, 16)
+    e = torch.randn(1, 40, 2, 16, device=DEV) * 3
+    o, ht = kda_triton(q, k, v, e, beta, None, h0, True, use_gate_in_kernel=True)
+    o_ref, ht_ref = kda_triton(q, k, v, -5.0 * torch.sigmoid(e), beta, None, h0, True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_gate_bias_errors():
     from k3lit.kernels.kda import kda_triton
 
@@ -303,7 +314,7 @@ def test_fused_torch_compile_no_graph_break(seed):
     from k3lit.kernels.kda import kda_triton
 
     q, k, v, e, beta, _ = make_inputs(1, 12, 1, 16, 16)
-    bias = torch.zeros(16, requires_grad=True)
+    bias = torch.zeros(16, device=DEV, requires_grad=True)
     q, k, v, e, beta = (x.requires_grad_() for x in (q * 2, k, v, e, beta))
 
     def f(q, k, v, e, beta, bias):
