@@ -11,6 +11,8 @@ import torch
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.testing import rel_rms
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the Triton path runs under TRITON_INTERPRET=1
+
 
 def _layer(backend: str) -> KimiDeltaAttention:
     torch.manual_seed(0)
@@ -21,10 +23,10 @@ def _layer(backend: str) -> KimiDeltaAttention:
 
 
 def test_triton_layer_matches_float64_reference(seed):
-    triton_layer = _layer("triton")
+    triton_layer = _layer("triton").to(DEV)
     ref = copy.deepcopy(triton_layer).double()
     ref.backend, ref.qkv_conv.backend = "reference", "torch"  # float64 token-by-token KDA, torch's conv
-    x = torch.randn(2, 45, 40)  # 45 tokens: two chunks of 32, the second partial
+    x = torch.randn(2, 45, 40, device=DEV)  # 45 tokens: two chunks of 32, the second partial
     y, _ = triton_layer(x)
     y_ref, _ = ref(x.double())
     dy = torch.randn_like(y_ref)
