@@ -8,7 +8,10 @@ here before it is timed.
     python benchmarks/kernel_resources.py            # table on stdout, section in RESULTS.md
     python benchmarks/kernel_resources.py --json r.json --no-write
 
-Must run without ``TRITON_INTERPRET`` (the kernels must be defined as compilable JIT functions).
+Columns: registers per thread, spill stores / loads (bytes per thread), the shared memory Triton requests per
+block, warps per block, and resident blocks per SM with the resource that limits them (sm_90 limits below).
+Must run without ``TRITON_INTERPRET`` (the kernels must be defined as compilable JIT functions). The numbers
+depend on the Triton version (the section title names it; one section per version).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results import write_section  # noqa: E402
 from k3lit.kernels import aot  # noqa: E402
 
-REGS_PER_SM = 65536
+# Hopper (sm_90) per-SM limits: 64K 32-bit registers, allocated per warp in 256-register units of
+# 8-register-per-thread steps; 228 KiB shared memory with 1 KiB reserved per block; 64 warps; 32 blocks.
+REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 228 * 1024, 1024, 64, 32
 META = torch.device("meta")
 
 
@@ -92,6 +97,19 @@ def configs() -> dict[str, list[aot.Launch]]:
     }
 
 
+def blocks_per_sm(r: aot.Resources) -> tuple[int, str]:
+    """Resident blocks per SM on sm_90 for a kernel's registers, shared memory and warps, and which resource
+    limits it (``"registers"``, ``"shared memory"``, ``"warps"``)."""
+    regs_per_warp = -(-((r.registers + 7) // 8 * 8) * 32 // 256) * 256
+    limits = {
+        "registers": REGS_PER_SM // (regs_per_warp * r.num_warps),
+        "shared memory": SMEM_PER_SM // (r.shared_bytes + SMEM_RESERVED),
+        "warps": min(WARPS_PER_SM // r.num_warps, BLOCKS_PER_SM),
+    }
+    name = min(limits, key=limits.get)
+    return limits[name], name
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="also write the rows as JSON to this path")
@@ -106,11 +124,11 @@ def main() -> None:
             continue
         for launch in launches:
             r = aot.compile_launch(launch)
-            blocks = REGS_PER_SM // (r.registers * 32 * r.num_warps)
-            rows.append({"config": name, **dataclasses.asdict(r), "blocks_per_sm_by_registers": blocks})
-            print(f"{name:40s} {r.name:22s} regs {r.registers:3d}  spill st/ld {r.spill_stores:4d}/"
+            blocks, limit = blocks_per_sm(r)
+            rows.append({"config": name, **dataclasses.asdict(r), "blocks_per_sm": blocks, "limited_by": limit})
+            print(f"{name:44s} {r.name:22s} regs {r.registers:3d}  spill st/ld {r.spill_stores:4d}/"
                   f"{r.spill_loads:4d} B  smem {r.shared_bytes / 1024:5.1f} KiB  warps {r.num_warps:2d}  "
-                  f"blocks/SM {blocks}", flush=True)
+                  f"blocks/SM {blocks} ({limit})", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.no_write:
@@ -123,16 +141,20 @@ def main() -> None:
     lines = [
         f"{datetime.date.today()} · compiled offline (no GPU) for sm_90a (H200) by `python "
         f"benchmarks/kernel_resources.py` · triton {triton.__version__} · ptxas {ptxas}. Per thread: registers "
-        "(255 is the limit), bytes spilled to local memory (stores / loads); per block: static shared memory; "
-        "blocks/SM = how many blocks the register file holds (65,536 registers).",
+        "(255 is the limit), bytes spilled to local memory (stores / loads); per block: the shared memory Triton "
+        "requests, warps; blocks/SM: how many blocks fit on one SM by registers, shared memory and warps, and the "
+        "resource that limits it. Numbers differ between Triton versions: the H200 machine runs triton 3.6, "
+        "`make install` gets the newest (`pip install --no-deps --target DIR triton==3.6.0` and "
+        "`PYTHONPATH=DIR` reproduce the 3.6 table).",
         "",
         "| configuration | kernel | registers | spill stores / loads (B) | shared KiB | warps | blocks/SM |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(f"| {r['config']} | `{r['name']}` | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} "
-                     f"| {r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['blocks_per_sm_by_registers']} |")
-    write_section("Kernel resources on sm_90a (compiled offline)", "\n".join(lines))
+                     f"| {r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['blocks_per_sm']} "
+                     f"({r['limited_by']}) |")
+    write_section(f"Kernel resources on sm_90a (compiled offline, triton {triton.__version__})", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``k3lit`` command: LightningCLI sub-commands (fit, validate) plus prepare and generate.
+"""The ``k3lit`` command: LightningCLI sub-commands (fit, validate, test, predict) plus prepare, generate and slurm.
 
     k3lit fit --config recipes/tiny.yaml --model.n_layers=4 --trainer.max_steps=100
     k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume
@@ -171,9 +171,19 @@ def generate_main(argv: list[str]) -> None:
     print(tok.decode(out[0].tolist()))
 
 
+EXTRA_COMMANDS = """k3lit commands besides Lightning's (fit, validate, test, predict, below):
+  k3lit prepare --config RECIPE          tokenise the recipe's corpus into litdata chunks
+  k3lit generate --ckpt CKPT --prompt S  sample from a checkpoint (file or distributed-checkpoint folder)
+  k3lit slurm --config RECIPE --nodes N --gpus_per_node G ...   render an sbatch script
+Each takes --help.
+"""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``k3lit`` console script."""
     args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):  # LightningCLI's help lists only its own sub-commands
+        print(EXTRA_COMMANDS)
     try:
         if args and args[0] == "prepare":
             return prepare_main(args[1:])

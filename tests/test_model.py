@@ -23,7 +23,7 @@ def build(**kw) -> K3LM:
 
 
 def literal_forward(model: K3LM, idx: torch.Tensor) -> torch.Tensor:
-    """REFERENCE.md §3 written out: sources, block sums and per-sublayer RMSNorm + pseudo-query reads."""
+    """docs/MATH.md §3 written out: sources, block sums and per-sublayer RMSNorm + pseudo-query reads."""
     x = model.embed(idx)
     S = model.block_size
     blocks, partial = [x], None

@@ -7,7 +7,7 @@ step and applies their output. Expert parallelism (experts sharded over ranks, t
 all-to-all) is switched on by :func:`k3lit.parallel.parallelize` setting :attr:`MoE.ep_group`; with
 ``ep_group=None`` the layer is the plain single-process one.
 
-Balancer life cycle (REFERENCE.md §2):
+Balancer life cycle (docs/MATH.md §2):
 
 * ``forward`` in training mode records the statistics of its micro-batch (detached float32 scores for
   ``quantile``, integer histogram counts of the required bias for ``quantile_hist``, expert loads for
@@ -47,7 +47,7 @@ from k3lit.ops.routing import (
 __all__ = ["MoE", "GroupedExperts", "BALANCERS", "update_balancers"]
 
 BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
-HIST_BINS = 1000  # bins per expert of the quantile_hist estimator (REFERENCE.md §2)
+HIST_BINS = 1000  # bins per expert of the quantile_hist estimator (docs/MATH.md §2)
 _PENDING_WARN = 4096  # micro-batches without an update_balancer() call before we warn once
 
 

@@ -1,4 +1,4 @@
-"""Depth-wise softmax mixing of Attention Residuals (arXiv 2603.15031), REFERENCE.md §3.
+"""Depth-wise softmax mixing of Attention Residuals (arXiv 2603.15031), docs/MATH.md §3.
 
 A sublayer l reads ``h_l = Σ_i a_i v_i`` with ``a = softmax_i(w_l^T RMSNorm_l(v_i))`` over its sources v_i
 (block summaries, the running partial sum, or every earlier output for Full AttnRes). Because

@@ -1,6 +1,6 @@
 """MoE routing and load balancing as pure functions (no state, no ``nn.Module``).
 
-Notation (REFERENCE.md §2): ``m`` tokens, ``n`` experts, ``k`` experts per token, router scores
+Notation (docs/MATH.md §2): ``m`` tokens, ``n`` experts, ``k`` experts per token, router scores
 ``s = sigmoid(W_r x) ∈ (0, 1)^{m×n}``, a float32 expert bias ``b ∈ R^n`` that steers *selection only*,
 and the target load ``q = m k / n`` tokens per expert.
 
@@ -72,7 +72,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 def quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, *, center: bool = True) -> torch.Tensor:
-    """Quantile Balancing: the exact pooled-quantile bias for the next optimizer step (REFERENCE.md §2).
+    """Quantile Balancing: the exact pooled-quantile bias for the next optimizer step (docs/MATH.md §2).
 
     1. ``alpha_i`` = the (k+1)-th largest value of ``s_i + b`` (the token's cut-off).
     2. ``b'_j = -quantile_{1-k/n}(s_{:,j} - alpha) = quantile_{k/n}(r_{:,j})`` with the *required bias*
@@ -228,7 +228,7 @@ def _rank_within_groups(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
 def capacity_route(
     scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k routing with an expert capacity ``c = min(ceil(cf · m k / n), m)`` (REFERENCE.md §2, seed).
+    """Top-k routing with an expert capacity ``c = min(ceil(cf · m k / n), m)`` (docs/MATH.md §2, capacity mode).
 
     Slots are admitted in priority order: all first choices (token order), then all second choices, ...;
     an expert admits slots while it has room. A rejected slot moves to its token's next candidate (the

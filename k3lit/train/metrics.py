@@ -13,7 +13,7 @@ __all__ = ["ExpertLoad"]
 
 
 class ExpertLoad(Metric):
-    """Per-layer MoE load: MaxVio and the token fraction per expert (REFERENCE.md §2).
+    """Per-layer MoE load: MaxVio and the token fraction per expert (docs/MATH.md §2).
 
     ``MaxVio_l = (max_j load_lj - mean_load) / mean_load`` with ``mean_load = tokens · k / n``, where
     ``tokens`` counts the tokens routed through each layer. Use one instance per training batch

@@ -1,4 +1,4 @@
-"""Triton kernels of the softmax-over-depth mix (k3lit.ops.attn_res, REFERENCE.md §3) and their launchers.
+"""Triton kernels of the softmax-over-depth mix (k3lit.ops.attn_res, docs/MATH.md §3) and their launchers.
 
 Per token row, with sources ``s_1 … s_N`` (``[D]`` each), query ``u`` and upstream gradient ``g``::
 

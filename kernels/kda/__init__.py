@@ -140,7 +140,7 @@ def kda_triton(
         v: ``[B, T, H, V]`` values, q's dtype, V <= 256.
         g: ``[B, T, H, K]`` per-channel log-decay in ``[g_min, 0]`` (float32 preferred); with
             ``use_gate_in_kernel`` the gate pre-activation e (any float dtype), from which the kernel forms
-            ``g = g_min * sigmoid(e + gate_bias)`` (REFERENCE.md §1, K3 innovation 1).
+            ``g = g_min * sigmoid(e + gate_bias)`` (docs/MATH.md §1, K3 innovation 1).
         beta: ``[B, T, H]`` write strength in ``(0, 1)``.
         scale: output scale, default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` float32 state before the first token (N = B, or the number of

@@ -2,7 +2,7 @@
 
 Every sequence is split into chunks of C tokens (C = 16, 32 or 64, the largest that the gate bound makes
 safe, see README.md). Per chunk and head, with ``G`` the in-chunk cumulative log-decay, ``r = (C - 1) // 2``
-its middle row and ``S`` the state entering the chunk (REFERENCE.md §1)::
+its middle row and ``S`` the state entering the chunk (docs/MATH.md §1)::
 
     A    = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)          dense tl.dot, no diagonal special case
     Aq   = scale * tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)

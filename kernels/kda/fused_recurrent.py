@@ -1,7 +1,7 @@
 """Fused token-by-token KDA in Triton (forward only): decoding and short prompts.
 
 One program per (value block, sequence x head) keeps its ``[K, BV]`` float32 slice of the state in
-registers and walks the tokens (REFERENCE.md §1)::
+registers and walks the tokens (docs/MATH.md §1)::
 
     S <- Diag(exp(g_t)) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = scale S^T q_t
 """

@@ -1,4 +1,4 @@
-"""Fused Triton depth mix (k3lit.kernels.attn_res) against the literal float64 AttnRes read (REFERENCE.md §3).
+"""Fused Triton depth mix (k3lit.kernels.attn_res) against the literal float64 AttnRes read (docs/MATH.md §3).
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (conftest.py) on small shapes whose row count is not a
 multiple of the row tile and whose D is not a power of two; the backward then also loops over several row

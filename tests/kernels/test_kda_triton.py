@@ -1,7 +1,7 @@
-"""Triton KDA kernels against the float64 token-by-token reference (REFERENCE.md §1).
+"""Triton KDA kernels against the float64 token-by-token reference (docs/MATH.md §1).
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` (set in conftest.py) on tiny float32 shapes. GPU (``-m gpu``):
-bfloat16 inputs at training shapes, with REFERENCE.md's tolerances. Every float ``torch.empty`` made while a
+bfloat16 inputs at training shapes, with the tolerances of docs/MATH.md §1. Every float ``torch.empty`` made while a
 kernel runs is NaN-filled, so an output element a kernel forgets to write fails the comparison.
 """
 
@@ -20,7 +20,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 # float32 inputs on CPU: the interpreter's arithmetic is float32 throughout.
 TOL_F32 = 2e-5
-# REFERENCE.md: bf16 inputs against a float64 reference, relative RMS error.
+# docs/MATH.md §1: bf16 inputs against a float64 reference, relative RMS error.
 TOL_BF16 = {"o": 0.005, "ht": 0.005, "q": 0.008, "k": 0.008, "v": 0.008, "g": 0.02, "beta": 0.02, "h0": 0.008}
 
 
@@ -138,7 +138,7 @@ def test_varlen_equals_separate_sequences(seed, lens):
     "bf16 accuracy is checked on the GPU (test_gpu_*)",
 )
 def test_bf16_inputs(seed):
-    """bf16 operands with float32 accumulation stay inside REFERENCE.md's tolerances."""
+    """bf16 operands with float32 accumulation stay inside the tolerances of docs/MATH.md §1."""
     assert_errors(run_both(make_inputs(1, 40, 1, 80, 72, dtype=torch.bfloat16)), TOL_BF16)
 
 
@@ -170,7 +170,7 @@ def test_errors():
     from k3lit.kernels.kda import kda_decode_triton, kda_triton
 
     q, k, v, g, beta, h0 = make_inputs(1, 4, 1, 16, 16)
-    with pytest.raises(ValueError, match="overflows"):
+    with pytest.raises(ValueError, match="too strong"):
         kda_triton(q, k, v, g, beta, g_min=-12.0)  # |g_min| * ceil(15 / 2) = 96 > 88 even at C = 16
     with pytest.raises(ValueError, match="chunk_size"):
         kda_triton(q, k, v, g, beta, chunk_size=128)
@@ -326,7 +326,7 @@ def test_fused_torch_compile_no_graph_break(seed):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# GPU: bf16 inputs at training shapes, REFERENCE.md tolerances
+# GPU: bf16 inputs at training shapes, docs/MATH.md §1 tolerances
 # ------------------------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")

@@ -124,11 +124,29 @@ def test_unsafe_gate_bound_raises():
         check_gate_bound(-5.0, 64)
     with pytest.raises(ValueError, match="negative"):
         check_gate_bound(0.5, 16)
-    with pytest.raises(ValueError, match="overflows"):
+    with pytest.raises(ValueError, match="too strong for every supported chunk size"):
         largest_safe_chunk(-20.0)
     xs = make_inputs(1, 8, 1, 4, 4)
+    with pytest.raises(ValueError, match="too strong"):
+        kda(*xs[:5], g_min=-20.0)
+    kda(*xs[:5], g_min=-20.0, chunk_size=4, backend="torch")  # the advice it gives: an explicit small chunk
     with pytest.raises(ValueError, match="overflows"):
         kda(*xs[:5], g_min=-5.0, chunk_size=64)
+
+
+def test_explicit_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    import k3lit.kernels.kda  # noqa: F401 - defined under the interpreter, as the other tests of this process need
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    xs = make_inputs(1, 8, 1, 4, 4)
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        kda(*(x.float().cpu() for x in xs[:5]), backend="triton")
+
+
+def test_integer_gate_bias_rejected():
+    q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 8, 2, 4, 4))
+    with pytest.raises(ValueError, match="floating-point"):
+        kda(q, k, v, g, beta, backend="torch", use_gate_in_kernel=True, gate_bias=torch.zeros(8, dtype=torch.int64))
 
 
 def test_gate_outside_bound_rejected():

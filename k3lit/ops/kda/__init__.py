@@ -1,7 +1,10 @@
 """Kimi Delta Attention: one public op with three faces (float64-able reference, chunked PyTorch,
-Triton) and the bounded-gate safety checks. See ``README.md`` in this folder for the math."""
+Triton) and the bounded-gate safety checks. Math: docs/MATH.md §1; chunk size and the overflow bound:
+kernels/kda/README.md."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +19,6 @@ BACKENDS = ("auto", "torch", "reference", "triton")
 
 def triton_available() -> bool:
     """True when the Triton KDA kernels can be imported and a CUDA device (or the interpreter) exists."""
-    import os
-
     try:
         import k3lit.kernels.kda  # noqa: F401
     except ImportError:
@@ -96,8 +97,9 @@ def kda(
 
     Raises:
         ValueError: mismatched shapes, an unknown backend, a g_min / chunk_size pair whose
-            ``exp(±G)`` could overflow float32/bfloat16 (see :func:`check_gate_bound`), or a gate_bias without
-            use_gate_in_kernel.
+            ``exp(±G)`` could overflow float32/bfloat16 (see :func:`check_gate_bound`), a gate_bias without
+            use_gate_in_kernel, or ``backend="triton"`` for tensors no Triton kernel can run on (CPU tensors
+            without ``TRITON_INTERPRET=1``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -108,6 +110,9 @@ def kda(
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton_available() else "torch"
     if backend == "triton":
+        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or not triton_available():
+            raise ValueError(f"backend='triton' needs CUDA tensors with Triton installed (or TRITON_INTERPRET=1 "
+                             f"for CPU tensors, slow); got {q.device} tensors. Use backend='auto' or 'torch'.")
         from k3lit.kernels.kda import kda_triton
 
         return kda_triton(

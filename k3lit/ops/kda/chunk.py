@@ -1,7 +1,7 @@
 """Chunked KDA in plain PyTorch: one uniform dense path for every intra-chunk block.
 
 For a chunk of C tokens starting from state ``S_0`` (``G`` = cumulative log-decay inside the chunk,
-``r`` = the chunk's middle row, REFERENCE.md §1)::
+``r`` = the chunk's middle row, docs/MATH.md §1)::
 
     A_kk = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)       strictly lower
     A_qk = tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)            lower, diagonal included

@@ -59,6 +59,8 @@ def check_gate_bias(gate_bias: torch.Tensor | None, use_gate_in_kernel: bool, H:
     if not use_gate_in_kernel:
         raise ValueError("gate_bias is only used by the fused gate: pass use_gate_in_kernel=True (g is then the "
                          "gate pre-activation) or add the bias yourself before bounded_log_decay")
+    if not gate_bias.is_floating_point():
+        raise ValueError(f"gate_bias must be a floating-point tensor, got {gate_bias.dtype}")
     if gate_bias.numel() != H * K or gate_bias.shape not in ((H * K,), (H, K)):
         raise ValueError(f"gate_bias must be [H * K] = [{H * K}] or [H, K] = [{H}, {K}], got "
                          f"{tuple(gate_bias.shape)}")
@@ -102,9 +104,21 @@ def check_gate_bound(g_min: float, chunk_size: int) -> None:
 
 
 def largest_safe_chunk(g_min: float, cap: int = 64) -> int:
-    """Largest power-of-two chunk size (at most ``cap``, at least 16) that is safe for ``g_min``."""
+    """Largest power-of-two chunk size (at most ``cap``, at least 16: the Triton kernels' smallest) that is
+    safe for ``g_min``.
+
+    Raises:
+        ValueError: g_min is not negative, or so strong that even C = 16 could overflow (g_min < -88/8 = -11).
+    """
+    if not g_min < 0:
+        raise ValueError(f"g_min must be negative (the lower bound of the log-decay), got {g_min}")
     c = cap
     while c > 16 and max_exponent(g_min, c) > EXP_LIMIT:
         c //= 2
-    check_gate_bound(g_min, c)
+    if max_exponent(g_min, c) > EXP_LIMIT:
+        raise ValueError(
+            f"g_min={g_min} is too strong for every supported chunk size: even chunk_size=16 lets exp(±G) reach "
+            f"exp({max_exponent(g_min, 16):.0f}) (limit exp(88)). Use g_min >= -11 (the PyTorch backend also "
+            "takes an explicit chunk_size below 16)."
+        )
     return c
