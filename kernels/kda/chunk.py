@@ -378,7 +378,6 @@ def _main_bwd(
             dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         tl.store(s_dqg + offk, dQg, mask=mk)
         tl.store(s_dkd + offk, dKd, mask=mk)
-        tl.store(s_dw + offk, dW, mask=mk)
         tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
         if L2:
@@ -386,7 +385,9 @@ def _main_bwd(
         b_G = tl.load(Gc + offk, mask=mk, other=0.0)
         b_kg = b_k * tl.exp(b_G)
         dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
-        db += tl.sum(tl.dot(b_mt, dW) * b_kg, axis=1)
+        dMW = tl.dot(b_mt, dW)  # M^T dW: pass 2 reads it back (exact float32) instead of M and dW
+        tl.store(s_dw + offk, dMW, mask=mk)
+        db += tl.sum(dMW * b_kg, axis=1)
         b_Gr = _row(b_G, rows, R)
         A += tl.dot(_op(b_k * tl.exp(b_G - b_Gr[None, :]), F32), tl.trans(_op(b_k * tl.exp(b_Gr[None, :] - b_G), F32)))
     tl.debug_barrier()  # pass 2 reads the scratch this program wrote
@@ -409,7 +410,7 @@ def _main_bwd(
         mk = m_t[:, None] & m_k[None, :]
         dQg = tl.load(s_dqg + offk, mask=mk, other=0.0)
         dKd = tl.load(s_dkd + offk, mask=mk, other=0.0)
-        dW = tl.load(s_dw + offk, mask=mk, other=0.0)
+        dMW = tl.load(s_dw + offk, mask=mk, other=0.0)
         dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
         b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
@@ -421,7 +422,7 @@ def _main_bwd(
         e_g = tl.exp(b_G)
         # W = M X, X = Diag(beta) K⊙exp(G)
         b_kg = b_k * e_g
-        dKg = tl.dot(b_mt, dW) * b_beta[:, None]
+        dKg = dMW * b_beta[:, None]
         b_dk = dKg * e_g
         dG = dKg * b_kg
         # O's state term scale (Q⊙exp(G)) S
