@@ -309,10 +309,11 @@ def _main_bwd(
     """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
 
     Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
-    K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T (kept in the float32
-    scratch ``s_dqg``, ``s_dkd``, ``s_dw``, each ``[T, H, K]``), dM += dW X^T with X = Diag(beta) K⊙exp(G),
-    and A. Then dL = -M^T dM M^T and dA = Diag(beta) dL. Pass 2: dq, dk and the dense pair terms of A and Aq (same
-    rebasing as the forward), dG and dg = reverse cumsum of dG (per channel, so per block).
+    K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T, dM += dW X^T with
+    X = Diag(beta) K⊙exp(G); dQg, dKd and M^T dW are kept in the float32 scratch ``s_dqg``, ``s_dkd``, ``s_dw``
+    (each ``[T, H, K]``), so that M is not needed in pass 2. Then dL = -M^T dM M^T and dA = Diag(beta) dL.
+    Pass 2: dq, dk and the dense pair terms of A and Aq (same rebasing as the forward), dG and dg = reverse
+    cumsum of dG (per channel, so per block); A itself (for dbeta's dL term) from pass 2's operands.
 
     With ``GATE`` the stored gradient is that of the pre-activation e: dg * g_min * sigmoid(x) sigmoid(-x),
     x = e + bias (= s (1 - s), relative accuracy kept where s rounds to 1). With ``L2`` pass 2 works on the
@@ -336,7 +337,6 @@ def _main_bwd(
         r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
     dAq = tl.zeros([C, C], dtype=tl.float32)
     dM = tl.zeros([C, C], dtype=tl.float32)
-    A = tl.zeros([C, C], dtype=tl.float32)
     db = tl.zeros([C], dtype=tl.float32)
     for vb in range(0, V, BV):
         cv = vb + tl.arange(0, BV)
@@ -388,13 +388,9 @@ def _main_bwd(
         dMW = tl.dot(b_mt, dW)  # M^T dW: pass 2 reads it back (exact float32) instead of M and dW
         tl.store(s_dw + offk, dMW, mask=mk)
         db += tl.sum(dMW * b_kg, axis=1)
-        b_Gr = _row(b_G, rows, R)
-        A += tl.dot(_op(b_k * tl.exp(b_G - b_Gr[None, :]), F32), tl.trans(_op(b_k * tl.exp(b_Gr[None, :] - b_G), F32)))
     tl.debug_barrier()  # pass 2 reads the scratch this program wrote
     # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
     dL = tl.where(m_lo, -tl.dot(tl.dot(b_mt, dM), b_mt), 0.0)
-    db += tl.sum(dL * tl.where(m_lo, A, 0.0), axis=1)
-    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
     dA = _op(dL * b_beta[:, None], F32)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
@@ -402,6 +398,7 @@ def _main_bwd(
     d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
     dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
     dot_q = tl.zeros([C], dtype=tl.float32)
+    A = tl.zeros([C, C], dtype=tl.float32)
     dot_k = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, K, BK):
         rk = kb + tl.arange(0, BK)
@@ -434,6 +431,7 @@ def _main_bwd(
         dn = tl.exp(b_Gr[None, :] - b_G)
         kup = _op(b_k * up, F32)
         kdn = _op(b_k * dn, F32)
+        A += tl.dot(kup, tl.trans(kdn))  # the forward's A (for dbeta), from pass 2's operands
         qup = _op(b_q * up, F32)
         dq_p = tl.dot(dAq, kdn) * up
         dk_r = tl.dot(dA, kdn) * up
@@ -463,6 +461,8 @@ def _main_bwd(
         else:
             tl.store(dq + offk, b_dq.to(dq.dtype.element_ty), mask=mk)
             tl.store(dk + offk, b_dk.to(dk.dtype.element_ty), mask=mk)
+    db += tl.sum(dL * tl.where(m_lo, A, 0.0), axis=1)
+    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=m_t)
     if L2:
         tl.debug_barrier()  # pass 3 reads the dq̂, dk̂ this program wrote
         dot_q = tl.where(r_q < 1e12, dot_q, 0.0)  # clamped norm: y = x / 1e-12, no projection
