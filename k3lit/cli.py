@@ -29,7 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import ModelConfig
-from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
+from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, ProgressLines, SlurmRequeue
 from k3lit.train.checkpoint import checkpoint_hparams, is_sharded_checkpoint, load_full_checkpoint
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
@@ -107,9 +107,9 @@ class K3CLI(LightningCLI):
             every = every if isinstance(every, int) and every > 0 else 100
             callbacks.append(LastCheckpoint(root / "checkpoints", every))
         if cfg.get("enable_progress_bar", True) is not False and not any(
-            isinstance(c, RichProgressBar) for c in callbacks
-        ):
-            callbacks.append(RichProgressBar())
+            isinstance(c, (RichProgressBar, ProgressLines)) for c in callbacks
+        ):  # a live bar on a terminal; plain lines in a log file (SLURM jobs, redirected output)
+            callbacks.append(RichProgressBar() if sys.stdout.isatty() else ProgressLines())
         for kind in (K3ThroughputMonitor, SlurmRequeue):  # tokens/s + MFU; checkpoint + requeue under SLURM
             if not any(isinstance(c, kind) for c in callbacks):
                 callbacks.append(kind())

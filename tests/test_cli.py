@@ -226,3 +226,17 @@ def test_default_checkpoint_is_written_during_training(tmp_path, cache, monkeypa
     cli.trainer.fit(cli.model, cli.datamodule)
     assert seen.seen == 3  # written at step 3, not only at the end
     assert torch.load(seen.path, weights_only=False)["global_step"] == 8  # and at the end (8: no multiple of 3)
+
+
+def test_progress_is_printed_as_lines_when_stdout_is_not_a_terminal(tmp_path, cache, monkeypatch, caplog):
+    """Under pytest stdout is not a terminal (as in a SLURM job's log): K3CLI swaps the live bar for lines."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    args = [a for a in fit_args(tmp_path, cache, 4) if a != "--trainer.enable_progress_bar=false"]
+    caplog.set_level("INFO")
+    cli = K3CLI(args=args[1:] + ["--trainer.log_every_n_steps=2", "--trainer.accumulate_grad_batches=2"], run=False)
+    assert not any(type(c).__name__ in ("RichProgressBar", "TQDMProgressBar") for c in cli.trainer.callbacks)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    train = [ln for ln in lines if "train/loss" in ln]
+    assert [ln.split(" · ")[0] for ln in train] == ["step 2/4", "step 4/4"]  # once per optimizer step, not micro-batch
+    assert any("val/bpb" in ln for ln in lines)

@@ -1,7 +1,9 @@
-"""Training callbacks: tokens/s and MFU from our FLOPs formula; SLURM requeue at a step boundary.
+"""Training callbacks: tokens/s and MFU from our FLOPs formula; SLURM requeue at a step boundary; progress as
+plain log lines where no terminal shows a progress bar.
 
-Both are in K3CLI's default callbacks; each is a no-op where it does not apply (no FLOPs peak known for the
-device: no MFU; not inside a SLURM job: no signal handler).
+All are in K3CLI's default callbacks; each is a no-op where it does not apply (no FLOPs peak known for the
+device: no MFU; not inside a SLURM job: no signal handler; stdout a terminal: the rich progress bar instead of
+log lines).
 """
 
 from __future__ import annotations
@@ -15,14 +17,61 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from k3lit.train.flops import peak_flops, training_flops
 
-__all__ = ["K3ThroughputMonitor", "SlurmRequeue"]
+__all__ = ["K3ThroughputMonitor", "ProgressLines", "SlurmRequeue"]
+
+
+class ProgressLines(ProgressBar):
+    """One line per ``every_n_steps`` optimizer steps on rank zero, e.g.
+    ``step 120/301 · train/loss 3.412 · train/max_vio/layer0 0.21 · 2,950 tok/s``, and one per validation
+    (``val/...`` metrics): the progress of a run whose stdout is a file (a SLURM job, ``make train > log``),
+    where a live progress bar prints nothing useful.
+
+    A Lightning ``ProgressBar``, so the trainer adds no tqdm bar beside it.
+
+    Args:
+        every_n_steps: optimizer steps between lines; default the trainer's ``log_every_n_steps``.
+    """
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        super().__init__()
+        self.every_n_steps = every_n_steps
+        self._enabled = True
+        self._last_step = -1
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def _line(self, trainer: L.Trainer, prefix: str) -> str:
+        metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
+        parts = [f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
+        parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items())]
+        tps = trainer.callback_metrics.get("train/device/items_per_sec")
+        if prefix == "train/" and tps is not None:
+            parts.append(f"{float(tps):,.0f} tok/s per device")
+        return " · ".join(parts)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        every = self.every_n_steps or trainer.log_every_n_steps
+        step = trainer.global_step  # advances once per optimizer step, not per micro-batch
+        if self._enabled and step > 0 and step % every == 0 and step != self._last_step:
+            self._last_step = step
+            rank_zero_info(self._line(trainer, "train/"))
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._enabled and not trainer.sanity_checking:
+            rank_zero_info(self._line(trainer, "val/"))
 
 class K3ThroughputMonitor(ThroughputMonitor):
     """Lightning's :class:`ThroughputMonitor` fed with k3lit's FLOPs count and token lengths.
