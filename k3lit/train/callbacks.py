@@ -24,12 +24,12 @@ from typing_extensions import override
 
 from k3lit.train.flops import peak_flops, training_flops
 
-__all__ = ["K3ThroughputMonitor", "ProgressLines", "SlurmRequeue"]
+__all__ = ["K3ThroughputMonitor", "LastCheckpoint", "ProgressLines", "SlurmRequeue"]
 
 
 class ProgressLines(ProgressBar):
     """One line per ``every_n_steps`` optimizer steps on rank zero, e.g.
-    ``step 120/301 · train/loss 3.412 · train/max_vio/layer0 0.21 · 2,950 tok/s``, and one per validation
+    ``step 120/301 · train/loss 3.412 · train/max_vio/layer0 0.21 · 2,950 tok/s per device``, and one per validation
     (``val/...`` metrics): the progress of a run whose stdout is a file (a SLURM job, ``make train > log``),
     where a live progress bar prints nothing useful.
 

@@ -8,10 +8,9 @@ CUDA): one forward kernel and one backward kernel over all N sources, registered
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from k3lit.kernels import runs_on
 from k3lit.kernels.attn_res.mix import DTYPE_CODES, MAX_DIM, mix_bwd, mix_fwd
 
 
@@ -65,7 +64,7 @@ def unsupported(sources: list[torch.Tensor], query: torch.Tensor) -> str | None:
     if not sources:
         return "no sources"
     first = sources[0]
-    if not (first.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not runs_on(first):
         return "the Triton path needs CUDA tensors (or TRITON_INTERPRET=1)"
     if any(s.shape != first.shape or s.device != first.device for s in sources):
         return "sources differ in shape or device"

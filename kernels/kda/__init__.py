@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from k3lit.kernels.kda.chunk import chunk_bwd, chunk_fwd, max_chunks
+from k3lit.kernels.kda.chunk import _work_dtype, chunk_bwd, chunk_fwd, max_chunks
 from k3lit.kernels.kda.fused_recurrent import fused_recurrent_fwd
 from k3lit.ops.kda.validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 
 _Opt = torch.Tensor | None
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype == torch.float32 else torch.bfloat16
 
 
 @torch.library.custom_op("k3lit::kda_chunk_fwd", mutates_args=())

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from k3lit.kernels import runs_on
 from k3lit.ops.kda.chunk import kda_chunk
 from k3lit.ops.kda.gate import bounded_log_decay, softplus_log_decay
 from k3lit.ops.kda.reference import kda_reference
@@ -110,7 +111,7 @@ def kda(
     if backend == "auto":
         backend = "triton" if q.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or not triton_available():
+        if not runs_on(q) or not triton_available():
             raise ValueError(f"backend='triton' needs CUDA tensors with Triton installed (or TRITON_INTERPRET=1 "
                              f"for CPU tensors, slow); got {q.device} tensors. Use backend='auto' or 'torch'.")
         from k3lit.kernels.kda import kda_triton
