@@ -40,8 +40,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results import environment, write_section  # noqa: E402
+from throughput import build_model  # noqa: E402
 
-from k3lit.model import K3LM, ModelConfig  # noqa: E402
+from k3lit.model import ModelConfig  # noqa: E402
 from k3lit.ops.attn_res import attn_res_mix  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
@@ -63,11 +64,7 @@ def measure(size: str, residual: str, block: int, policy: str, repeats: int, com
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     cfg = dataclasses.replace(spec["cfg"], residual=residual, attnres_block_size=block, activation_checkpointing=policy)
-    torch.manual_seed(0)
-    model = K3LM(cfg).to(dev)
-    if compile_:
-        for sub in model.sublayers:
-            sub.compile()
+    model = build_model(cfg, dev, compile_)
     n_params = sum(p.numel() for p in model.parameters())
     idx = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"] + 1), device=dev)
 
@@ -288,7 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "speed":
         rows = run_speed(args.size, args.repeats, args.residuals, args.policies, args.compile, args.batch)
-        where = "H200" if torch.cuda.is_available() else "CPU"
+        where = torch.cuda.get_device_name().removeprefix("NVIDIA ") if torch.cuda.is_available() else "CPU"
         title = (f"Attention residuals × checkpointing ({where}, {args.size}" + (", compiled" if args.compile else "")
                  + (f", batch {args.batch}" if args.batch else "") + ")")
         write_section(title, speed_table(rows, args.size, args.compile, args.batch))

@@ -16,16 +16,18 @@ on the same software skips the autotuning there. ::
     for i in $(seq 0 9); do python benchmarks/kda.py --fla-compile-worker $i/10 & done; wait
     python benchmarks/kda.py
 
-FLOP model (the same for both KDA implementations, so TFLOP/s compare like with like): per token and head,
-with chunk C = 64, forward = 6CK + 4CV + 6KV (A_kk, A_qk, W, U, W S, Q S, Aq Delta, state update) and
-forward+backward = 3x forward. SDPA causal: forward 2 T^2 D per head (half of 4 T^2 D), backward 2.5x.
+FLOP model (the same for both KDA implementations, so TFLOP/s compare like with like; C fixed at fla's 64
+whatever chunk our kernels use): per token and head, forward = 6CK + 4CV + 6KV (A_kk, A_qk, W, U, W S, Q S,
+Aq Delta, state update) and forward+backward = 3x forward. SDPA causal: forward 2 T^2 D per head (half of
+4 T^2 D), backward 2.5x.
 
 ``--fused-inputs`` times the op as the layer calls it, from raw q, k and the gate pre-activation e: ours with
 the gate ``g_min * sigmoid(e + bias)`` and the q/k L2 norm fused into the kernels, ours with both done in
 PyTorch first, and fla with its in-kernel L2 norm and the gate in PyTorch (fla's in-kernel gate is another
 formula); section "KDA with fused gate and q/k L2 norm".
 
-Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--no-sdpa] [--fused-inputs] [--results ...]``.
+Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--no-sdpa] [--fused-inputs] [--time-anyway]
+[--fla-compile-worker I/P] [--results benchmarks/RESULTS.md]``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import argparse
 import datetime
 import math
 import os
-import re
 import sys
 import time
 
@@ -44,8 +45,10 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.results import write_section  # noqa: E402
 from k3lit.kernels.kda import kda_triton  # noqa: E402
 from k3lit.ops.kda import kda_reference  # noqa: E402
+from k3lit.testing import rel_rms  # noqa: E402
 
 G_MIN = -5.0
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dh0": 0.008}
@@ -95,11 +98,6 @@ def inputs(B, T, H, K, V, device="cuda", requires_grad=False, h0=False):
     return [x.requires_grad_(requires_grad) for x in xs]
 
 
-def rel(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-
-
 def errors(fn, xs, cu=None):
     """Relative RMS errors of o, ht and every gradient against the float64 reference on the same values."""
     a = [x.detach().clone().requires_grad_() for x in xs]
@@ -110,8 +108,8 @@ def errors(fn, xs, cu=None):
     ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
     ((o_r * do).sum() + (ht_r * dht).sum()).backward()
     names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    out = {"o": rel(o, o_r), "ht": rel(ht, ht_r)}
-    out.update({n: rel(x.grad, y.grad) for n, x, y in zip(names, a, r)})
+    out = {"o": rel_rms(o, o_r), "ht": rel_rms(ht, ht_r)}
+    out.update({n: rel_rms(x.grad, y.grad) for n, x, y in zip(names, a, r)})
     return out
 
 
@@ -266,18 +264,6 @@ def target_status(speedups: list[tuple[float, float]]) -> str:
             f"(lowest fwd speedup {fwd:.2f}x, lowest f+b speedup {fb:.2f}x).")
 
 
-def write_results(path, body, title="KDA kernels"):
-    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
-    section = f"## {title}\n\n" + body.strip() + "\n"
-    if re.search(rf"^## {re.escape(title)}\n", text, flags=re.M):
-        text = re.sub(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", lambda _: section + "\n", text,
-                      flags=re.M | re.S)
-    else:
-        text = text.rstrip() + "\n\n" + section
-    with open(path, "w") as f:
-        f.write(text.rstrip() + "\n")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the first two shapes")
@@ -295,7 +281,7 @@ def main():
         head = (f"Date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
                 f"triton {triton.__version__}" + (", fla-core " + __import__("fla").__version__ if fla_fn else ""))
         lines = fused_inputs_table(fla_fn, SHAPES[:2] if args.quick else SHAPES[:6])
-        write_results(args.results, "\n".join([head, "", *lines]), "KDA with fused gate and q/k L2 norm")
+        write_section("KDA with fused gate and q/k L2 norm", "\n".join([head, "", *lines]), args.results)
         return
     if args.fla_compile_worker:
         from benchmarks.triton_warm import compile_only
@@ -314,7 +300,7 @@ def main():
             "bf16 inputs (tolerances: " + ", ".join(f"{n} {t}" for n, t in TOL.items()) + ").", "", *lines, ""]
     if not ok:
         body.append("**Gate red: k3lit's errors exceed the tolerances; no timings reported.**")
-        write_results(args.results, "\n".join(body))
+        write_section("KDA kernels", "\n".join(body), args.results)
         print("\n".join(body))
         if not args.time_anyway:
             sys.exit(1)
@@ -347,10 +333,10 @@ def main():
         speedups.append((fla_t[0] / ours_t[0], fla_t[1] / ours_t[1]))
         print(row, f"({time.time() - t0:.0f} s)", flush=True)
         torch.cuda.empty_cache()
-        write_results(args.results, "\n".join(body))
+        write_section("KDA kernels", "\n".join(body), args.results)
     if fla_run is not None:
         body += ["", target_status(speedups)]
-    write_results(args.results, "\n".join(body))
+    write_section("KDA kernels", "\n".join(body), args.results)
     print("\n".join(body))
 
 

@@ -84,9 +84,10 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 
 
 def configs() -> dict[str, list[aot.Launch]]:
-    """Benchmark shapes (bf16): KDA as issue 3's B4·T4096·H16 and K = V = 128 / 256 (plain inputs, and with the
-    gate and q/k L2 norm fused), the depth mix at N = 11 over B2·T4096·D1024, the q|k|v short convolution of
-    the small recipe (B16·T2048, 3·8·128 channels), and one with more than 2^31 elements."""
+    """Benchmark shapes (bf16): KDA at issue 3's B4·T4096·H16·K128 (plain inputs, and with the gate and q/k L2
+    norm fused) and fla's B1·T8192·H32·K256 shape; the depth mix at N = 11 over B2·T4096·D1024 (the 300m model
+    of benchmarks/attnres.py); the q|k|v short convolution of that model (3·8·128 = 3072 channels) at B16·T2048,
+    and one with more than 2^31 elements."""
     return {
         "KDA K=V=128": _kda(4, 4096, 16, 128, 128, False, False),
         "KDA K=V=128, gate + q/k L2 norm fused": _kda(4, 4096, 16, 128, 128, True, True),

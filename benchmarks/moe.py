@@ -1,7 +1,7 @@
 """MoE on one GPU: grouped-matmul experts vs a per-expert loop, and the cost of balancing.
 
     python benchmarks/moe.py [--tokens 16384] [--dim 2048] [--experts 64] [--top-k 8] [--expert-dim 1024]
-                             [--json out.json]
+                             [--layer-only] [--json out.json]
 
 1. Experts alone (tokens already sorted by expert, bf16): ``grouped_mm`` through
    ``torch.nn.functional.grouped_mm`` vs a Python loop of ``torch.matmul`` over the experts; forward and

@@ -23,9 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import make_step, recipe_config  # noqa: E402
-
-from k3lit.model import K3LM  # noqa: E402
+from throughput import build_model, make_step, recipe_config  # noqa: E402
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -53,8 +51,7 @@ def main() -> None:
     cfg = dataclasses.replace(cfg, **overrides(a.set))
     batch, seq = a.batch or int(data.get("batch_size", 16)), a.seq or int(data.get("seq_len", 2048))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model = K3LM(cfg).to(device)
+    model = build_model(cfg, device, False)
     step = make_step(model, device)
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     for _ in range(3):  # compile kernels, prime the allocator

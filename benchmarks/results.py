@@ -12,8 +12,8 @@ import torch
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
-def environment() -> str:
-    """One line naming the date, device, torch and triton versions."""
+def versions() -> dict[str, str]:
+    """``{"date", "device", "torch", "triton"}`` of this process (triton "n/a" when not installed)."""
     try:
         import triton
 
@@ -24,14 +24,22 @@ def environment() -> str:
         device = torch.cuda.get_device_name()
     else:
         device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    return f"{datetime.date.today().isoformat()} · {device} · torch {torch.__version__} · triton {triton_v}"
+    return {"date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__,
+            "triton": triton_v}
 
 
-def write_section(title: str, body: str) -> None:
-    """Replace (or append) the ``## title`` section of RESULTS.md with ``body``."""
+def environment() -> str:
+    """One line naming the date, device, torch and triton versions."""
+    v = versions()
+    return f"{v['date']} · {v['device']} · torch {v['torch']} · triton {v['triton']}"
+
+
+def write_section(title: str, body: str, path: Path = RESULTS) -> None:
+    """Replace (or append) the ``## title`` section of ``path`` (default RESULTS.md) with ``body``."""
     header = "# Benchmark results\n\nEvery table is written by the script named in its section.\n"
-    text = RESULTS.read_text() if RESULTS.exists() else header
+    path = Path(path)
+    text = path.read_text() if path.exists() else header
     section = f"## {title}\n\n{body.strip()}\n\n"
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text)
+    path.write_text(text)

@@ -29,6 +29,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results import versions, write_section  # noqa: E402
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
 from k3lit.nn.moe import update_balancers  # noqa: E402
 from k3lit.train.flops import active_matmul_params, peak_flops, training_flops  # noqa: E402
@@ -52,6 +53,17 @@ def plain_baseline(c: ModelConfig) -> ModelConfig:
     return dataclasses.replace(base, mlp_hidden=hidden)
 
 
+def build_model(c: ModelConfig, device: str, compile_: bool) -> K3LM:
+    """``K3LM(c)`` from seed 0 on ``device``; with ``compile_`` every sublayer ``torch.compile``'d, as
+    ``k3lit fit --compile=true`` does."""
+    torch.manual_seed(0)
+    model = K3LM(c).to(device)
+    if compile_:
+        for sub in model.sublayers:
+            sub.compile()
+    return model
+
+
 def make_step(model: K3LM, device: str):
     """One optimizer step as ``trainer.precision=bf16-mixed`` runs it: ``step(tokens [B, T+1]) -> loss``."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
@@ -72,11 +84,7 @@ def make_step(model: K3LM, device: str):
 
 
 def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: bool) -> dict:
-    torch.manual_seed(0)
-    model = K3LM(c).to(device)
-    if compile_:
-        for sub in model.sublayers:
-            sub.compile()
+    model = build_model(c, device, compile_)
     n_params = sum(p.numel() for p in model.parameters())
     step = make_step(model, device)
     x = torch.randint(0, c.vocab_size, (batch, seq + 1), device=device)
@@ -141,18 +149,6 @@ def bench_lightning(c: ModelConfig, batch: int, seq: int, warmup: int, steps: in
             "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
-def environment() -> dict:
-    env = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = "n/a"
-    env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return env
-
-
 def table(result: dict) -> str:
     env, rows = result["env"], result["rows"]
     lines = [
@@ -160,8 +156,8 @@ def table(result: dict) -> str:
         f"triton {env['triton']}. Recipe `{result['recipe']}`, batch {result['batch']} x {result['seq']} tokens, "
         f"bf16 autocast with float32 weights (= `precision: bf16-mixed`), fused AdamW, synthetic tokens, "
         f"{result['steps']} timed steps after {result['warmup']} warm-up steps, compile={result['compile']}, "
-        f"KDA backend `{result['kda_backend']}`. MFU = model FLOPs (`k3lit/train/flops.py`) / 989.4 TFLOP/s "
-        "(dense bf16 peak, datasheet; a large bf16 matmul measured about 790 TFLOP/s on this kind of H200).",
+        f"KDA backend `{result['kda_backend']}`. MFU = model FLOPs (`k3lit/train/flops.py`) / the device's dense "
+        "bf16 peak (`peak_flops`, datasheet: 989.4 TFLOP/s for H100/H200).",
         "",
         "| model | params (M) | active matmul params (M) | GFLOP/token (train) | ms/step | tokens/s | TFLOP/s "
         "| MFU | peak memory (GiB) | loss falls |",
@@ -205,8 +201,6 @@ def main() -> None:
     p.add_argument("--lightning", help="also train the recipe model through lightning.Trainer, logs in this folder")
     a = p.parse_args()
     if a.from_json:
-        from benchmarks.results import write_section
-
         write_section("Throughput", table(json.loads(Path(a.from_json).read_text())))
         return
     cfg, data = recipe_config(Path(a.recipe), a.vocab)
@@ -216,7 +210,7 @@ def main() -> None:
     if a.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     result = {"recipe": a.recipe, "batch": batch, "seq": seq, "steps": a.steps, "warmup": a.warmup,
-              "compile": a.compile, "kda_backend": cfg.kda_backend, "env": environment(), "rows": {},
+              "compile": a.compile, "kda_backend": cfg.kda_backend, "env": versions(), "rows": {},
               "note": a.note}
     models = {f"k3lit `{Path(a.recipe).stem}` ({cfg.layer_pattern}, MoE {cfg.n_experts}x top-{cfg.top_k}, "
               f"{cfg.residual})": cfg,
