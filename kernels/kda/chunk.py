@@ -45,6 +45,19 @@ def _op(x, F32: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, F32: tl.constexpr):
+    """``a @ b`` with float32 accumulation. For float32 inputs (``F32``) in 3xTF32 (three tensor-core TF32
+    products that recover float32's mantissa): Triton's default for float32 operands, one TF32 product (10-bit
+    mantissa), would give float32 inputs bf16-like accuracy, and IEEE float32 (FMA, no tensor cores) spilled
+    kilobytes per thread in every kernel (benchmarks/kernel_resources.py). Otherwise the default: bf16 operands,
+    and the float32-operand products with M in TF32."""
+    if F32:
+        return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _row(x, rows, i):
     """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
     return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
@@ -130,8 +143,8 @@ def _intra_fwd(
         tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
         tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
         b_kdn = _op(b_k * dn, F32)
-        A += tl.dot(_op(b_k * up, F32), tl.trans(b_kdn))
-        B_qk += tl.dot(_op(b_q * up, F32), tl.trans(b_kdn))
+        A += _dot(_op(b_k * up, F32), tl.trans(b_kdn), F32)
+        B_qk += _dot(_op(b_q * up, F32), tl.trans(b_kdn), F32)
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
     L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
@@ -154,14 +167,14 @@ def _intra_fwd(
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
         if L2:
             b_k *= r_k[:, None]
-        b_w = tl.dot(Xb, _op(b_k * tl.exp(b_G), F32))
+        b_w = _dot(Xb, _op(b_k * tl.exp(b_G), F32), F32)
         tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
     for vb in range(0, V, BV):
         cols = vb + tl.arange(0, BV)
         msk = m_t[:, None] & (cols < V)[None, :]
         off = tok[:, None] * (H * V) + i_h * V + cols[None, :]
         b_v = tl.load(v + off, mask=msk, other=0.0)
-        b_u = tl.dot(Xb, _op(b_v, F32))
+        b_u = _dot(Xb, _op(b_v, F32), F32)
         tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
 
 
@@ -200,11 +213,11 @@ def _scan_fwd(
         mv = m_t[:, None] & m_v[None, :]
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_u = tl.load(U + offv, mask=mv, other=0.0).to(tl.float32)
-        b_d = b_u - tl.dot(_op(b_w, F32), _op(S, F32))
+        b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
         tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32))
+        S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + off_s, S, mask=m_kv)
 
@@ -232,13 +245,13 @@ def _out_fwd(
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
         b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
-        acc += tl.dot(_op(b_qg, F32), _op(b_h, F32))
+        acc += _dot(_op(b_qg, F32), _op(b_h, F32), F32)
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     b_a = tl.load(Aq + offc, mask=m_t[:, None], other=0.0)
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
     mv = m_t[:, None] & m_v[None, :]
     b_d = tl.load(D + offv, mask=mv, other=0.0)
-    acc += tl.dot(_op(b_a, F32), _op(b_d, F32))
+    acc += _dot(_op(b_a, F32), _op(b_d, F32), F32)
     tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mv)
 
 
@@ -289,12 +302,12 @@ def _scan_bwd(
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        b_dd = tl.dot(tl.trans(_op(b_a, F32)), _op(b_do, F32)) + tl.dot(_op(b_kd, F32), _op(dS, F32))
+        b_dd = _dot(tl.trans(_op(b_a, F32)), _op(b_do, F32), F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-        dS = dS * tl.exp(g_last)[:, None] + tl.dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32))
-        dS -= tl.dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32))
+        dS = dS * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32), F32)
+        dS -= _dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32), F32)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h) * K * V + off_s, dS, mask=m_kv)
 
@@ -346,11 +359,11 @@ def _main_bwd(
         b_dd = tl.load(dD + offv, mask=mv, other=0.0)
         b_do = tl.load(do + offv, mask=mv, other=0.0)
         b_v = tl.load(v + offv, mask=mv, other=0.0).to(tl.float32)
-        dAq += tl.dot(_op(b_do, F32), tl.trans(_op(b_d, F32)))
-        b_dy = tl.dot(b_mt, b_dd.to(tl.float32))  # M^T dDelta, float32 operands (tf32 on GPU)
+        dAq += _dot(_op(b_do, F32), tl.trans(_op(b_d, F32)), F32)
+        b_dy = _dot(b_mt, b_dd.to(tl.float32), F32)  # M^T dDelta, float32 operands (tf32 on GPU)
         tl.store(dv + offv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=mv)
         db += tl.sum(b_dy * b_v, axis=1)
-        dM += tl.dot(_op(b_dd, F32), tl.trans(_op(b_v * b_beta[:, None], F32)))
+        dM += _dot(_op(b_dd, F32), tl.trans(_op(b_v * b_beta[:, None], F32)), F32)
     for kb in range(0, K, BK):
         rk = kb + tl.arange(0, BK)
         m_k = rk < K
@@ -372,9 +385,9 @@ def _main_bwd(
             b_d = tl.load(D + offv, mask=mv, other=0.0)
             b_dd = tl.load(dD + offv, mask=mv, other=0.0)
             b_do = tl.load(do + offv, mask=mv, other=0.0)
-            dQg += tl.dot(_op(b_do, F32), tl.trans(_op(b_h, F32)))
-            dKd += tl.dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)))
-            dW -= tl.dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)))
+            dQg += _dot(_op(b_do, F32), tl.trans(_op(b_h, F32)), F32)
+            dKd += _dot(_op(b_d, F32), tl.trans(_op(b_dh, F32)), F32)
+            dW -= _dot(_op(b_dd, F32), tl.trans(_op(b_h, F32)), F32)
             dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         tl.store(s_dqg + offk, dQg, mask=mk)
         tl.store(s_dkd + offk, dKd, mask=mk)
@@ -384,13 +397,13 @@ def _main_bwd(
             b_k *= r_k[:, None]
         b_G = tl.load(Gc + offk, mask=mk, other=0.0)
         b_kg = b_k * tl.exp(b_G)
-        dM += tl.dot(dW, tl.trans(b_kg * b_beta[:, None]))
-        dMW = tl.dot(b_mt, dW)  # M^T dW: pass 2 reads it back (exact float32) instead of M and dW
+        dM += _dot(dW, tl.trans(b_kg * b_beta[:, None]), F32)
+        dMW = _dot(b_mt, dW, F32)  # M^T dW: pass 2 reads it back (exact float32) instead of M and dW
         tl.store(s_dw + offk, dMW, mask=mk)
         db += tl.sum(dMW * b_kg, axis=1)
     tl.debug_barrier()  # pass 2 reads the scratch this program wrote
     # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
-    dL = tl.where(m_lo, -tl.dot(tl.dot(b_mt, dM), b_mt), 0.0)
+    dL = tl.where(m_lo, -_dot(_dot(b_mt, dM, F32), b_mt, F32), 0.0)
     dA = _op(dL * b_beta[:, None], F32)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
@@ -431,11 +444,11 @@ def _main_bwd(
         dn = tl.exp(b_Gr[None, :] - b_G)
         kup = _op(b_k * up, F32)
         kdn = _op(b_k * dn, F32)
-        A += tl.dot(kup, tl.trans(kdn))  # the forward's A (for dbeta), from pass 2's operands
+        A += _dot(kup, tl.trans(kdn), F32)  # the forward's A (for dbeta), from pass 2's operands
         qup = _op(b_q * up, F32)
-        dq_p = tl.dot(dAq, kdn) * up
-        dk_r = tl.dot(dA, kdn) * up
-        dk_c = (tl.dot(tl.trans(dA), kup) + tl.dot(tl.trans(dAq), qup)) * dn
+        dq_p = _dot(dAq, kdn, F32) * up
+        dk_r = _dot(dA, kdn, F32) * up
+        dk_c = (_dot(tl.trans(dA), kup, F32) + _dot(tl.trans(dAq), qup, F32)) * dn
         b_dq += dq_p + d_ii[:, None] * b_k
         b_dk += dk_r + dk_c + d_ii[:, None] * b_q
         dG += b_q * dq_p + b_k * (dk_r - dk_c)

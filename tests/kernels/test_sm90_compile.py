@@ -24,7 +24,9 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     rows = json.loads(out.read_text())
     compiled = {(r["config"], r["name"]) for r in rows}
     kda = ["_intra_fwd", "_scan_fwd", "_out_fwd", "_scan_bwd", "_main_bwd", "_fused_recurrent_fwd"]
-    expected = {(c, n) for c in ("KDA K=V=128", "KDA K=V=128, gate + q/k L2 norm fused", "KDA K=V=256") for n in kda}
+    kda_configs = ("KDA K=V=128", "KDA K=V=128, gate + q/k L2 norm fused", "KDA K=V=256",
+                   "KDA K=V=128, float32 inputs (3xTF32 products)")
+    expected = {(c, n) for c in kda_configs for n in kda}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
     expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd")}
