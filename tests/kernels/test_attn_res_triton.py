@@ -16,8 +16,8 @@ from k3lit.testing import rel_rms
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL_F32 = 2e-5  # float32 arithmetic on inputs exact in float32
-# du = Σ dl_i r_i s_i sums N·M terms that partly cancel: the PyTorch form in float32 reaches 6e-5 on some seeds.
-TOL_QUERY = 2e-4
+# du = Σ dl_i r_i s_i sums N·M terms that partly cancel: measured at most 2.6e-6 over 20 seeds (interpreter).
+TOL_QUERY = 3e-5
 # A result stored in bfloat16 / float16: rounding to nearest errs by ~1e-3 RMS; the interpreter truncates (~2x).
 TOL_LOW = 4e-3 if DEV == "cuda" else 1e-2
 
@@ -102,7 +102,7 @@ def test_peaked_softmax(seed):
     (out * dy.float()).sum().backward()
     (ref * dy).sum().backward()
     for s, r in zip(sources, ref_in):
-        assert rel_rms(s.grad, r.grad) < 3e-4
+        assert rel_rms(s.grad, r.grad) < 1e-4  # measured at most 1.8e-5 (interpreter, 20 seeds)
     assert torch.isfinite(u.grad).all()
 
 
@@ -118,6 +118,7 @@ def test_torch_compile_no_graph_break(seed):
     assert rel_rms(u.grad, ref_in[0].grad) < TOL_QUERY
     assert rel_rms(sources[0].grad, ref_in[1].grad) < TOL_F32
     assert rel_rms(sources[1].grad, ref_in[2].grad) < TOL_LOW
+    assert rel_rms(sources[2].grad, ref_in[3].grad) < TOL_LOW
 
 
 @pytest.mark.parametrize(
@@ -139,9 +140,12 @@ def test_unknown_backend_raises():
         attn_res_mix([torch.zeros(1, 2, 8)], torch.zeros(8), backend="cuda")
 
 
-def test_auto_uses_torch_on_cpu_and_for_float64():
-    """The PyTorch form is the CPU path (float64 included): its autograd node is the _AttnResMix Function."""
-    out = attn_res_mix([torch.zeros(1, 2, 8, requires_grad=True)], torch.zeros(8))
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), (DEV, torch.float64)])
+def test_auto_uses_torch_on_cpu_and_for_float64(device, dtype):
+    """The PyTorch form is the CPU path, and the path for float64 (which the kernels do not take) on any device:
+    its autograd node is the _AttnResMix Function."""
+    out = attn_res_mix([torch.zeros(1, 2, 8, dtype=dtype, device=device, requires_grad=True)],
+                       torch.zeros(8, dtype=dtype, device=device))
     assert type(out.grad_fn).__name__ == "_AttnResMixBackward"
 
 

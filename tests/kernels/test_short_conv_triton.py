@@ -18,7 +18,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.silu(F.conv1d(xt, w.double()[:, None], groups=C)).transpose(1, 2)
 
 
-@pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3), (2, 300, 1536, 4)])
+@pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3)])
 def test_forward_and_gradients_match_float64(seed, B, T, C, W):
     x = torch.randn(B, T, C, device=DEV, requires_grad=True)
     w = torch.randn(C, W, device=DEV, requires_grad=True)

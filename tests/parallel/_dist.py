@@ -39,6 +39,15 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile
             dist.destroy_process_group()
 
 
+def peers_equal(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every rank of ``group`` (default: all) holds the same local values of ``t`` (a DTensor's local
+    shard, or a plain tensor)."""
+    local = (t.to_local() if hasattr(t, "to_local") else t).contiguous()
+    peers = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(peers, local, group=group)
+    return all(torch.equal(x, peers[0]) for x in peers)
+
+
 def run_workers(fn: Callable, world: int, *args, tmp_path) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; on failure, fail the test with each
     rank's Python traceback, or (a rank killed by a signal) the tail of its native stderr."""

@@ -14,7 +14,7 @@ from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import MoE
 from k3lit.parallel import clip_grad_norm_, parallelize, total_grad_norm
 from k3lit.parallel.parallelize import DP, EP, REPLICATE
-from tests.parallel._dist import run_workers
+from tests.parallel._dist import peers_equal, run_workers
 
 CFG = dict(vocab_size=40, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=48,
            n_experts=8, top_k=2, expert_dim=16, n_shared_experts=1, first_dense_layers=0, attnres_block_size=2)
@@ -125,8 +125,10 @@ def _model_parity(rank: int, world: int, shape: tuple[int, ...], ckpt: str) -> N
 
 
 def _check_layout(name: str, p: DTensor, replicas: int, world: int) -> None:
-    """Sharded within a shard group (each group holds every element once) and, with ``replicas > 1``, the same
-    local shard on every replica (placement ``Replicate`` on the ``data_parallel_replicate`` axis)."""
+    """Sharded within a shard group (each group holds every element once) and, with ``replicas > 1``, placement
+    ``Replicate`` on the ``data_parallel_replicate`` axis with the same local *gradient* shard on every replica
+    (the replicas saw different tokens, so equal gradients mean they were all-reduced across replicas; equal
+    weights would prove nothing before an optimizer step)."""
     numel = torch.tensor(p.to_local().numel())
     torch.distributed.all_reduce(numel)
     assert numel == replicas * p.numel(), (name, numel, p.numel())
@@ -134,10 +136,7 @@ def _check_layout(name: str, p: DTensor, replicas: int, world: int) -> None:
         return
     assert p.device_mesh.mesh_dim_names[0] == REPLICATE and p.placements[0] == Replicate(), (name, p.placements)
     assert all(not isinstance(pl, Replicate) for pl in p.placements[1:]) or p.device_mesh.size() == replicas, name
-    group = p.device_mesh.get_group(0)
-    peers = [torch.empty_like(p.to_local()) for _ in range(replicas)]
-    torch.distributed.all_gather(peers, p.to_local().contiguous(), group=group)
-    assert all(torch.equal(x, peers[0]) for x in peers), name
+    assert peers_equal(p.grad, group=p.device_mesh.get_group(0)), name
 
 
 @pytest.mark.parametrize("world,shapes", [(2, [(1, 2)]), (4, [(2, 2), (2, 2, 1), (2, 1, 2)])],

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from k3lit.model import K3LM, ModelConfig
 from k3lit.parallel import init_sharded, parallelize
 from k3lit.parallel.parallelize import DP, EP, REPLICATE
-from tests.parallel._dist import run_workers
+from tests.parallel._dist import peers_equal, run_workers
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=64,
                   n_experts=8, top_k=2, expert_dim=32, n_shared_experts=1, first_dense_layers=0,
@@ -37,18 +37,10 @@ def _meta_sharded(shape: tuple[int, ...], names: tuple[str, ...]) -> K3LM:
     return init_sharded(model, mesh)
 
 
-def _peers_equal(t: torch.Tensor) -> bool:
-    """Whether this rank's local shard equals the other rank's (2 ranks)."""
-    local = t.to_local().contiguous()
-    peers = [torch.empty_like(local) for _ in range(2)]
-    torch.distributed.all_gather(peers, local)
-    return torch.equal(peers[0], peers[1])
-
-
 def _worker(rank: int, world: int) -> None:
     replicated = _meta_sharded((world, 1), (REPLICATE, DP))  # HSDP: 2 replicas of an unsharded model
     for name, p in replicated.named_parameters():
-        assert p.to_local().numel() == p.numel() and _peers_equal(p), name
+        assert p.to_local().numel() == p.numel() and peers_equal(p), name
 
     model = _meta_sharded((1, world), (DP, EP))
     for name, p in model.named_parameters():  # each rank holds a part: experts split over ep, the rest FSDP2
@@ -69,7 +61,7 @@ def _worker(rank: int, world: int) -> None:
         else:  # random inits: same mean (0) and standard deviation, other numbers in each shard
             assert abs(got.mean()) < 0.2 * want.std(), (name, got.mean(), want.std())
             assert 0.75 < got.std() / want.std() < 1.33, (name, got.std(), want.std())
-            assert not _peers_equal(t), name
+            assert not peers_equal(t), name
     assert model.moe_layers()[0].expert_bias.dtype == torch.float32
 
     idx = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
