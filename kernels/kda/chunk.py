@@ -223,6 +223,60 @@ def _scan_fwd(
 
 
 @triton.jit
+def _scan_fwd_t(
+    Kd, Gc, W, U, D, h, h0, ht, cu, coff, Qg, Aq, o,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, OUT: tl.constexpr,
+):
+    """:func:`_scan_fwd` with the state held transposed, ``S^T [BV, BK]``: Delta^T = U^T - S^T W^T and
+    S^T <- S^T Diag(exp(G_last)) + Delta^T Kd. The state and Delta are then the left operands of both products,
+    which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). With
+    ``OUT`` it also writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in
+    place of :func:`_out_fwd`."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, C)
+    rk = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, C)
+    m_k = rk < K
+    m_v = cv < V
+    m_vk = m_v[:, None] & m_k[None, :]
+    off_st = cv[:, None] + rk[None, :] * V  # element (v, k) of S^T is S[k, v]
+    St = tl.zeros([BV, BK], dtype=tl.float32)
+    if HAS_H0:
+        St += tl.load(h0 + (i_n * H + i_h) * K * V + off_st, mask=m_vk, other=0.0).to(tl.float32)
+    for it in range(0, n_chunks):
+        t0 = bos + it * C
+        n_valid = tl.minimum(eos - t0, C)
+        m_t = rows < n_valid
+        tok = t0 + rows
+        tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(h.dtype.element_ty), mask=m_vk)
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        mv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(W + offk, mask=mk, other=0.0)
+        b_ut = tl.trans(tl.load(U + offv, mask=mv, other=0.0).to(tl.float32))
+        b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
+        tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
+        if OUT:
+            b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
+            b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+            b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
+                                                                             F32)
+            tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
+        b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
+        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h) * K * V + off_st, St, mask=m_vk)
+
+
+@triton.jit
 def _out_fwd(
     Qg, Aq, D, h, o, cu, cidx,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -310,6 +364,58 @@ def _scan_bwd(
         dS -= _dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32), F32)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h) * K * V + off_s, dS, mask=m_kv)
+
+
+@triton.jit
+def _scan_bwd_t(
+    Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
+):
+    """:func:`_scan_bwd` with the state gradient held transposed, ``dS^T [BV, BK]``::
+
+        dDelta^T = dO^T Aq + dS^T Kd^T
+        dS^T    <- dS^T Diag(exp(G_last)) + dO^T (scale Q⊙exp(G)) - dDelta^T W
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    n_chunks = tl.cdiv(eos - bos, C)
+    rk = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    rows = tl.arange(0, C)
+    m_k = rk < K
+    m_v = cv < V
+    m_vk = m_v[:, None] & m_k[None, :]
+    off_st = cv[:, None] + rk[None, :] * V
+    dSt = tl.zeros([BV, BK], dtype=tl.float32)
+    if HAS_DHT:
+        dSt += tl.load(dht + (i_n * H + i_h) * K * V + off_st, mask=m_vk, other=0.0).to(tl.float32)
+    for j in range(0, n_chunks):
+        it = n_chunks - 1 - j
+        t0 = bos + it * C
+        n_valid = tl.minimum(eos - t0, C)
+        m_t = rows < n_valid
+        tok = t0 + rows
+        tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_st, dSt.to(dh.dtype.element_ty), mask=m_vk)
+        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+        mk = m_t[:, None] & m_k[None, :]
+        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+        mv = m_t[:, None] & m_v[None, :]
+        b_dot = _op(tl.trans(tl.load(do + offv, mask=mv, other=0.0)), F32)  # dO^T [BV, C]
+        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
+        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        b_ddt = _dot(b_dot, _op(b_a, F32), F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
+        tl.store(dD + offv, tl.trans(b_ddt).to(dD.dtype.element_ty), mask=mv)
+        b_w = tl.load(W + offk, mask=mk, other=0.0)
+        b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
+        dSt = dSt * tl.exp(g_last)[None, :] + _dot(b_dot, _op(b_qg, F32), F32)
+        dSt -= _dot(_op(b_ddt, F32), _op(b_w, F32), F32)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h) * K * V + off_st, dSt, mask=m_vk)
 
 
 @triton.jit
@@ -541,11 +647,20 @@ def _f32_operands(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+#: Launch settings. ``scan``: ``"plain"`` keeps the scans' state as ``[BK, BV]`` (:func:`_scan_fwd`),
+#: ``"transposed"`` as ``[BV, BK]`` (:func:`_scan_fwd_t`); ``scan_bv``: value columns per scan program (the scans
+#: are latency-bound when B * H is small: narrower blocks give more programs); ``*_warps``: warps per program
+#: (``scan_warps`` None: 4 for K <= 128, else 8); ``fuse_out``: the transposed forward scan also writes the output
+#: (no :func:`_out_fwd`). ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
+TUNING: dict = dict(scan="plain", scan_bv=32, scan_warps=None, fuse_out=False, intra_warps=4, out_warps=4,
+                    main_bwd_warps=4)
+
+
 def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) for the sequential scans: the state tile [BK, BV] lives in registers. BV = 32
-    gives more programs (the scans are latency-bound when B * H is small)."""
+    """(BK, BV, num_warps) for the sequential scans: the state tile lives in registers."""
     BK = _pow2(K)
-    return BK, min(_pow2(V), 32), 4 if BK <= 128 else 8
+    nw = TUNING["scan_warps"] or (4 if BK <= 128 else 8)
+    return BK, min(_pow2(V), TUNING["scan_bv"]), nw
 
 
 def chunk_fwd(
@@ -585,14 +700,20 @@ def chunk_fwd(
     rnq, rnk = Rn if qk_l2norm else (None, None)
     _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0,
                         rnq, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
-                        num_warps=4)
+                        num_warps=TUNING["intra_warps"])
     BK, BV, nw = _scan_cfg(K, V)
-    _scan_fwd[(triton.cdiv(V, BV), N * H)](
-        Kd, Gc, W, U, D, h, initial_state, ht, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, F32=F32, num_warps=nw)
-    BVo = min(64, _pow2(V))
-    _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi,
-                                          BV=BVo, F32=F32, num_warps=4)
+    scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
+    meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
+                F32=F32, num_warps=nw)
+    fuse_out = TUNING["scan"] == "transposed" and TUNING["fuse_out"]
+    if TUNING["scan"] == "plain":
+        _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, **meta)
+    else:
+        _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fuse_out, **meta)
+    if not fuse_out:
+        BVo = min(64, _pow2(V))
+        _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi, BV=BVo, F32=F32,
+                                              num_warps=TUNING["out_warps"])
     return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
 
 
@@ -631,7 +752,7 @@ def chunk_bwd(
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     BK, BV, nw = _scan_cfg(K, V)
-    _scan_bwd[(triton.cdiv(V, BV), N * H)](
+    (_scan_bwd if TUNING["scan"] == "plain" else _scan_bwd_t)[(triton.cdiv(V, BV), N * H)](
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
     # float32 scratch: dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ (passes 2 -> 3)
@@ -643,5 +764,6 @@ def chunk_bwd(
     _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2], s_dq,
                        s_dk, dgs, cu, cidx, scale, g if gate else None, _bias(gate_bias, gate, H * K, q.device),
                        g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
-                       BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=4)
+                       BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
+                       num_warps=TUNING["main_bwd_warps"])
     return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,155 @@
+"""Where the KDA kernels' time goes, kernel by kernel, and which launch settings are fastest on this GPU.
+
+``benchmarks/kda.py`` times whole calls; this script splits them. For each shape it runs ours (and fla
+``chunk_kda(safe_gate=True, lower_bound=-5)`` with ``--fla``) under ``torch.profiler`` and sums every device
+kernel's time per call (CUPTI kernel durations: the profiler's host overhead does not enter them), forward and
+forward+backward. ``--sweep`` times the alternatives of ``k3lit.kernels.kda.chunk.TUNING`` (scan layout, value
+block, warps, fused output) with ``triton.testing.do_bench``, each checked against the default first.
+
+    python benchmarks/kda_breakdown.py --shapes 1x65536x16x128 8x2048x16x128 [--fla] [--sweep] [--json out.json]
+
+``--fla-compile-worker I/P`` fills ``TRITON_CACHE_DIR`` with fla's compiled candidates for these shapes (see
+benchmarks/kda.py and benchmarks/triton_warm.py); run P of them before the timing process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.kda import bench, inputs, load_fla, make_fla, ours  # noqa: E402
+from k3lit.kernels.kda import chunk  # noqa: E402
+
+#: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
+SWEEP = {
+    "default": {},
+    "plain bv16": dict(scan_bv=16),
+    "plain bv64": dict(scan_bv=64),
+    "transposed bv32": dict(scan="transposed", scan_bv=32),
+    "transposed bv64": dict(scan="transposed", scan_bv=64),
+    "transposed bv64 +out": dict(scan="transposed", scan_bv=64, fuse_out=True),
+    "transposed bv32 +out": dict(scan="transposed", scan_bv=32, fuse_out=True),
+    "transposed bv16": dict(scan="transposed", scan_bv=16),
+    "intra 8 warps": dict(intra_warps=8),
+    "main_bwd 8 warps": dict(main_bwd_warps=8),
+    "out 8 warps": dict(out_warps=8),
+}
+
+
+def shape(text: str) -> tuple[int, int, int, int]:
+    b, t, h, d = (int(x) for x in text.split("x"))
+    return b, t, h, d
+
+
+def kernel_ms(fn, n: int = 5) -> dict[str, float]:
+    """Device time (ms) per call of every kernel ``fn`` launches, from ``n`` profiled calls after a warm-up."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA:
+            out[e.key[:60]] += e.self_device_time_total / n / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def calls(fn, B: int, T: int, H: int, D: int):
+    xs = inputs(B, T, H, D, D, requires_grad=True)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            fn(*xs)
+
+    def fwd_bwd():
+        fn(*xs)[0].backward(do)
+
+    return fwd, fwd_bwd
+
+
+def breakdown(name: str, fn, shp, report: dict) -> None:
+    fwd, fb = calls(fn, *shp)
+    for label, f in (("fwd", fwd), ("fwd+bwd", fb)):
+        ks = kernel_ms(f)
+        report.setdefault(name, {}).setdefault(str(shp), {})[label] = ks
+        print(f"{name} {shp} {label}: total {sum(ks.values()):.3f} ms = "
+              + ", ".join(f"{k} {v:.3f}" for k, v in list(ks.items())[:8]), flush=True)
+
+
+def sweep(shapes, report: dict) -> None:
+    defaults = dict(chunk.TUNING)
+    for B, T, H, D in shapes:
+        xs = inputs(B, T, H, D, D, requires_grad=True)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        ref = None
+        for label, upd in SWEEP.items():
+            chunk.TUNING.clear()
+            chunk.TUNING.update(defaults, **upd)
+            try:
+                o, _ = ours(*xs)
+                grads = torch.autograd.grad(o, xs, do)
+                got = [o, *grads]
+                if ref is None:
+                    ref = [t.float() for t in got]
+                err = max(((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+                with torch.no_grad():
+                    f = bench(lambda xs=xs: ours(*xs))
+                fb = bench(lambda xs=xs, do=do: ours(*xs)[0].backward(do))
+                for x in xs:
+                    x.grad = None
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+                print(f"sweep {label} {(B, T, H, D)}: failed {exc!r}"[:300], flush=True)
+                continue
+            report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(fwd=f, fb=fb, diff=err)
+            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default {err:.1e})",
+                  flush=True)
+    chunk.TUNING.clear()
+    chunk.TUNING.update(defaults)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", type=shape, default=[(1, 65536, 16, 128), (8, 2048, 16, 128)])
+    ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
+    ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--fla-compile-worker", metavar="I/P")
+    a = ap.parse_args()
+    if a.fla_compile_worker:
+        from benchmarks.triton_warm import compile_only
+
+        compile_only(*map(int, a.fla_compile_worker.split("/")))
+        fla = make_fla(load_fla())
+        for shp in a.shapes:
+            calls(fla, *shp)[1]()
+        return
+    report: dict = {"gpu": torch.cuda.get_device_name(), "tuning": dict(chunk.TUNING)}
+    if not a.no_breakdown:
+        fla = make_fla(load_fla()) if a.fla else None
+        for shp in a.shapes:
+            breakdown("k3lit", ours, shp, report)
+            if fla is not None:
+                breakdown("fla", fla, shp, report)
+    if a.sweep:
+        sweep(a.shapes, report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
