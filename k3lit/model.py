@@ -70,8 +70,12 @@ class ModelConfig:
         activation_checkpointing: ``none``; ``layer`` (recompute each sublayer); ``block`` (keep only the
             residual state at block boundaries, i.e. the AttnRes block summaries, and recompute every sublayer
             of a block of ``attnres_block_size`` sublayers; for Full AttnRes and the plain residual the same
-            grouping of sublayers is used); ``selective`` (per sublayer, keep matrix-product outputs and
-            recompute the elementwise work).
+            grouping of sublayers is used; the last block is not recomputed: backward consumes its activations
+            first, so they are kept from the forward, which adds one block's activations to the memory held
+            at the loss); ``selective`` (per sublayer, keep matrix-product outputs and recompute the
+            elementwise work). ``block`` recomputes with the reentrant checkpoint (its forward runs without
+            autograd bookkeeping: much less host time than the non-reentrant one) unless an MoE uses the
+            ``aux_loss`` balancer, whose loss needs the forward's graph.
         tie_embeddings: share the embedding and LM-head weights.
         norm_eps: RMSNorm epsilon.
         init_std: standard deviation of the normal weight init.
@@ -302,25 +306,30 @@ class K3LM(nn.Module):
 
     def _forward_train(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward in segments of ``attnres_block_size`` sublayers (one residual block for
-        block_attnres). The segmentation is the same under every checkpoint policy, so the autograd graph,
-        and with it every floating-point sum, is too: only what is saved for backward differs."""
+        block_attnres). The segmentation is the same under every checkpoint policy, and so is the autograd
+        graph's grouping of gradient sums: a segment's inputs receive the sum of the segment's own
+        contributions as one term (a reentrant checkpoint's node makes that sum; elsewhere :class:`_Group`
+        does), so every floating-point sum is the same; only what is saved for backward differs."""
         policy = self.config.activation_checkpointing
-        per_sublayer = _checkpointed if policy in ("layer", "selective") else None
+        mode = _checkpoint_mode(policy, self.moe_layers())
+        per_sublayer = partial(_checkpointed, mode) if policy in ("layer", "selective") else None
         step = self.config.attnres_block_size
         segments = [list(self.sublayers)[i : i + step] for i in range(0, len(self.sublayers), step)]
-        run = _checkpointed if policy == "block" else _call
+        # the last segment is never recomputed: its activations are the first that backward needs
+        runs = [partial(_checkpointed_segment, mode) if policy == "block" and j < len(segments) - 1 else _grouped
+                for j in range(len(segments))]
         if self.config.residual == "plain":
             h = x
-            for seg in segments:
-                h = run(policy, partial(_plain_segment, seg, policy, per_sublayer), h)
+            for seg, run in zip(segments, runs):
+                (h,) = run(partial(_plain_segment, seg, per_sublayer), h)
             return h
         # Only the residual state crosses a segment boundary: the block summaries and the partial sum; for
         # block_attnres a segment is exactly one block, so that is the summaries alone.
         eps, size = self.config.norm_eps, self.block_size
         blocks, part, n_in = [x], None, 0
-        for seg in segments:
-            fn = partial(_attnres_segment, seg, size, eps, n_in, part is not None, policy, per_sublayer)
-            out = run(policy, fn, *blocks, *([part] if part is not None else []))
+        for seg, run in zip(segments, runs):
+            fn = partial(_attnres_segment, seg, size, eps, n_in, part is not None, per_sublayer)
+            out = run(fn, *blocks, *([part] if part is not None else []))
             closed = (n_in + len(seg)) // size
             blocks += list(out[:closed])
             part = out[closed] if len(out) > closed else None
@@ -371,26 +380,65 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _call(policy: str, fn: Any, *args: torch.Tensor) -> Any:
-    return fn(*args)
+def _checkpoint_mode(policy: str, moes: list[MoE]) -> str:
+    """How :func:`_checkpointed` recomputes under ``policy``: ``selective``; for ``block`` ``reentrant`` (the
+    forward runs under ``no_grad``: no autograd nodes and no saved-tensor hooks, the cheapest on the host)
+    unless an MoE adds the ``aux_loss`` balancer's loss, a side output that needs the forward's graph;
+    ``non_reentrant`` otherwise. ``layer`` stays non-reentrant: a reentrant node per sublayer would sum the
+    gradient terms of the sublayer's input (its norm reads it twice) apart from the residual's, other bits
+    than ``none``."""
+    if policy == "selective":
+        return "selective"
+    aux = any(m.balancer == "aux_loss" for m in moes)
+    return "reentrant" if policy == "block" and not aux else "non_reentrant"
 
 
-def _checkpointed(policy: str, fn: Any, *args: torch.Tensor) -> Any:
-    """``fn(*args)`` with activation checkpointing: recompute everything in backward, or (``selective``)
-    keep the matrix-product outputs and recompute the rest. Off when no gradient is being recorded."""
+class _Group(torch.autograd.Function):
+    """Identity on a segment's input tensors; its backward hands each input the sum of the gradients from
+    inside the segment as one term, as a reentrant checkpoint of the segment does. Without it the outer
+    graph would add those terms one by one to the ones from other segments: the same sum, other bits."""
+
+    @staticmethod
+    def forward(ctx, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        return grads
+
+
+def _grouped(fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(*args)`` on :class:`_Group`'d inputs (no recomputation)."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    if policy == "selective":
+    return fn(*_Group.apply(*args))
+
+
+def _checkpointed(mode: str, fn: Any, *args: torch.Tensor) -> Any:
+    """``fn(*args)`` with activation checkpointing (``mode`` from :func:`_checkpoint_mode`): recompute everything
+    in backward, or (``selective``) keep the matrix-product outputs and recompute the rest. Off when no
+    gradient is being recorded."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    if mode == "selective":
         ctx = partial(create_selective_checkpoint_contexts, _selective_policy)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=ctx)
-    return checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=mode == "reentrant")
 
 
-def _plain_segment(subs: list[Sublayer], policy: str, per_sublayer: Any, h: torch.Tensor) -> torch.Tensor:
+def _checkpointed_segment(mode: str, fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A whole segment under :func:`_checkpointed`; a non-reentrant checkpoint gets :class:`_Group`'d inputs
+    (a reentrant one groups them itself)."""
+    if mode == "reentrant" or not torch.is_grad_enabled():
+        return _checkpointed(mode, fn, *args)
+    return _checkpointed(mode, fn, *_Group.apply(*args))
+
+
+def _plain_segment(subs: list[Sublayer], per_sublayer: Any, h: torch.Tensor) -> tuple[torch.Tensor]:
     for sub in subs:
-        out = per_sublayer(policy, lambda t, sub=sub: sub(t)[0], h) if per_sublayer else sub(h)[0]
+        out = per_sublayer(lambda t, sub=sub: sub(t)[0], h) if per_sublayer else sub(h)[0]
         h = h + out
-    return h
+    return (h,)
 
 
 def _read_and_apply(sub: Sublayer, *sources: torch.Tensor) -> torch.Tensor:
@@ -403,7 +451,6 @@ def _attnres_segment(
     eps: float,
     n_in_block: int,
     has_partial: bool,
-    policy: str,
     per_sublayer: Any,
     *state: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
@@ -413,7 +460,7 @@ def _attnres_segment(
     stream = BlockResidualStream(blocks, block_size, eps, state[-1] if has_partial else None, n_in_block)
     for sub in subs:
         if per_sublayer:
-            stream.add(per_sublayer(policy, partial(_read_and_apply, sub), *stream.sources()))
+            stream.add(per_sublayer(partial(_read_and_apply, sub), *stream.sources()))
         else:
             stream.add(_read_and_apply(sub, *stream.sources()))
     return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())

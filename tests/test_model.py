@@ -149,6 +149,40 @@ def test_checkpointing_is_bit_identical(seed, policy, residual, block):
         assert torch.equal(grad, results[1][1][name]), name
 
 
+@pytest.mark.parametrize("residual", ["plain", "block_attnres"])
+def test_block_policy_recomputes_all_but_the_last_block(seed, residual):
+    """``block``: every segment but the last runs its forward twice (once more inside backward, through the
+    reentrant checkpoint, whose forward builds no graph); the last one, whose activations backward needs
+    first, runs once."""
+    model = build(residual=residual, attnres_block_size=3, activation_checkpointing="block")
+    calls = [0] * len(model.sublayers)
+    for i, sub in enumerate(model.sublayers):
+        sub.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    logits, _ = model(torch.randint(0, 50, (2, 9)))
+    assert calls == [1] * len(calls)
+    logits.square().sum().backward()
+    last = len(calls) - (len(calls) - 1) % 3 - 1  # first sublayer of the last segment of 3
+    assert calls == [2] * last + [1] * (len(calls) - last), calls
+
+
+def test_block_policy_keeps_the_aux_loss_graph(seed):
+    """With the ``aux_loss`` balancer the loss is a side output of the forward, so ``block`` recomputes with the
+    non-reentrant checkpoint: the router gets the aux-loss gradient, bit for bit as without recomputation."""
+    ref = build(balancer="aux_loss", attnres_block_size=2)
+    ckpt = build(balancer="aux_loss", attnres_block_size=2, activation_checkpointing="block")
+    ckpt.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 50, (2, 13))
+    grads = []
+    for model in (ref, ckpt):
+        logits, _ = model(idx)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+        (loss + model.aux_loss()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
 @pytest.mark.parametrize("kw", [{}, {"residual": "plain", "tie_embeddings": False, "n_shared_experts": 1}],
                          ids=["tied-attnres", "untied-plain-shared"])
 def test_meta_init_weights_equal_construction(kw):
