@@ -7,6 +7,9 @@ A sublayer l reads ``h_l = Σ_i a_i v_i`` with ``a = softmax_i(w_l^T RMSNorm_l(v
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 
@@ -87,21 +90,25 @@ def attn_res_mix(
         raise ValueError("attn_res_mix needs at least one source")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if sources[0].is_cuda and _triton_takes(sources, query) else "torch"
     if backend == "triton":
         from k3lit.kernels.attn_res import attn_res_mix_triton
 
         return attn_res_mix_triton(sources, query, eps)
+    if backend == "auto" and sources[0].is_cuda:
+        kernels = _kernels()
+        if kernels is not None and kernels.unsupported(sources, query) is None:  # checked once, here
+            return kernels.fused_mix(sources, query, eps)
     return _AttnResMix.apply(query, eps, *sources)
 
 
-def _triton_takes(sources: list[torch.Tensor], query: torch.Tensor) -> bool:
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """``k3lit.kernels.attn_res``, or None where Triton is not installed (imported once)."""
     try:
-        from k3lit.kernels.attn_res import unsupported
+        import k3lit.kernels.attn_res as kernels
     except ImportError:
-        return False
-    return unsupported(sources, query) is None
+        return None
+    return kernels
 
 
 def attn_res_reference(

@@ -1,9 +1,11 @@
 """Triton kernels for the Attention-Residuals depth mix, importable as ``k3lit.kernels.attn_res``.
 
 :func:`attn_res_mix_triton` is the fused form of :func:`k3lit.ops.attn_res.attn_res_mix` (which picks it on
-CUDA): one forward kernel and one backward kernel over all N sources, registered as the torch custom ops
-``k3lit::attn_res_mix_fwd`` / ``k3lit::attn_res_mix_bwd`` (autograd through ``register_autograd``) so
-``torch.compile`` keeps them in one graph. Math and layout: ``mix.py``.
+CUDA): one forward kernel and one backward kernel over all N sources. Under ``torch.compile`` they run as the
+torch custom ops ``k3lit::attn_res_mix_fwd`` / ``k3lit::attn_res_mix_bwd`` (autograd through
+``register_autograd``), so the compiled graph keeps them; in eager mode as the plain autograd Function
+``_MixFn`` over the same launchers, whose dispatch costs the host about a third of a custom op's (a block
+AttnRes step mixes twice per sublayer: forward and backward). Math and layout: ``mix.py``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ def _backward(ctx, grad, *_unused):
 _mix_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _MixFn(torch.autograd.Function):
+    """The eager form of the two custom ops: the same launchers, the same saved tensors."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, eps: float, *sources: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        out, src_stats, row_stats = mix_fwd(list(sources), query, eps)
+        ctx.save_for_backward(query, src_stats, row_stats, *sources)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        query, src_stats, row_stats, *sources = ctx.saved_tensors
+        d_sources, d_query = mix_bwd(sources, query, src_stats, row_stats, grad.contiguous())
+        return (d_query.to(query.dtype), None, *d_sources)
+
+
 def unsupported(sources: list[torch.Tensor], query: torch.Tensor) -> str | None:
     """Why the Triton path cannot take these inputs (None when it can)."""
     if not sources:
@@ -100,9 +118,15 @@ def attn_res_mix_triton(sources: list[torch.Tensor], query: torch.Tensor, eps: f
     reason = unsupported(sources, query)
     if reason is not None:
         raise ValueError(f"attn_res_mix_triton: {reason}")
+    return fused_mix(sources, query, eps)
+
+
+def fused_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`attn_res_mix_triton` without its checks, for callers that ran :func:`unsupported` themselves."""
     sources = [s.contiguous() for s in sources]
-    out, *_ = _mix_fwd_op(sources, query.contiguous(), float(eps))
-    return out
+    if torch.compiler.is_compiling():
+        return _mix_fwd_op(sources, query.contiguous(), float(eps))[0]
+    return _MixFn.apply(query.contiguous(), float(eps), *sources)
 
 
-__all__ = ["attn_res_mix_triton", "unsupported"]
+__all__ = ["attn_res_mix_triton", "fused_mix", "unsupported"]

@@ -20,7 +20,8 @@ torch: deterministic, no atomics (activation checkpointing recomputes the same b
 
 Sources arrive as separate tensors (stacking them would copy them all): a small int64 table on the device
 holds their addresses, a dtype code per source (0 float32, 1 bfloat16, 2 float16, so the float32 embedding
-and bf16 sublayer outputs mix without a copy) and, for the backward, the addresses of their gradients.
+and bf16 sublayer outputs mix without a copy) and, for the backward, the addresses of their gradients. Tables
+are cached by content (training reuses the same addresses every step), so a launch usually copies nothing.
 One compiled kernel serves every N; the loop over sources is a runtime loop. When every address is 16-byte
 aligned (always, for tensors that start their storage) the kernels are told so and load 16 bytes per access.
 """
@@ -28,6 +29,7 @@ aligned (always, for tensors that start their storage) the kernels are told so a
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 import triton
@@ -154,12 +156,31 @@ def _tiles(D: int, block_rows: int | None) -> tuple[int, int, int]:
     return BT, BD, max(4, min(16, BT * BD // (32 * ELEMS_PER_THREAD)))
 
 
+# Device copies of recent tables, keyed by (device, stream, content). Training allocates the same tensors at the
+# same addresses step after step, so most launches find their table here and skip a pinned allocation and a
+# host-to-device copy. A table holds only addresses and codes, so one equal in content is valid for any
+# tensors at those addresses; the stream in the key keeps a kernel from reading a copy another stream has not
+# finished. 4096 entries of a few hundred bytes.
+_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_TABLES_MAX = 4096
+
+
 def _table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
-    """The int64 address/code table on ``device`` (pinned, asynchronous copy on CUDA: no host sync)."""
-    flat = [v for col in columns for v in col]
+    """The int64 address/code table on ``device`` (on CUDA a cached copy, or a pinned asynchronous copy: no host
+    sync)."""
+    flat = tuple(v for col in columns for v in col)
     if device.type != "cuda":
         return torch.tensor(flat, dtype=torch.int64)
-    return torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    key = (device, torch.cuda.current_stream(device).cuda_stream, flat)
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
 
 
 @functools.cache
