@@ -1,18 +1,37 @@
-"""Where a training step's time goes: torch.profiler over a few optimizer steps of a recipe's model.
+"""Where a training step's time goes: torch.profiler over a few optimizer steps of a recipe's or a size's model.
 
     python benchmarks/profile_step.py --recipe recipes/small.yaml                      # the recipe as written
     python benchmarks/profile_step.py --recipe recipes/small.yaml --set residual=plain n_experts=0
+    python benchmarks/profile_step.py --size 300m --grid residual=plain,block_attnres \\
+        activation_checkpointing=none,block --out prof/                              # 4 configurations
     python benchmarks/profile_step.py --recipe recipes/small.yaml --trace trace.json  # Chrome/Perfetto trace
 
-Prints the wall time per step, the summed device-kernel time per step (the gap between the two is time the
-GPU waits for the host: launch-bound Python), and the operators with the most self device time. The step is
-``benchmarks/throughput.py``'s (bf16 autocast, float32 weights, fused AdamW, clipping, balancer update).
+``--size`` takes the model, batch and sequence length of ``benchmarks/attnres.py``'s SIZES (``300m``: the issue-5
+model); ``--set`` overrides ModelConfig fields for every configuration, ``--grid`` runs every combination of the
+listed values. Per configuration it prints:
+
+* wall time per step without the profiler (synchronised, median of ``--steps``), the summed device-kernel time
+  per step (the gap is time the GPU waits for the host), and under the profiler the wall time and the host
+  time spent inside top-level torch operators and CUDA API calls (every thread; the rest is Python);
+* what the host dispatches per step: operators that reach the dispatcher (aten and custom ops, counted by a
+  TorchDispatchMode over one extra step; views counted apart), device kernels, kernel-launch API calls, and
+  those per sublayer; copies, pinned allocations and synchronisations per step (the profiled loop ends with
+  one ``torch.cuda.synchronize``);
+* the operators with the most self CPU time and, on GPUs, the most self device time (``--rows`` each).
+
+With ``--out DIR`` each configuration's full tables (60 rows) go to ``DIR/<config>.txt``, and ``DIR/summary.json``
+collects the summary lines. The step is ``benchmarks/throughput.py``'s (bf16 autocast, float32 weights, fused
+AdamW, clipping, balancer update).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import itertools
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,9 +40,17 @@ import torch
 import yaml
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attnres import SIZES  # noqa: E402
 from throughput import build_model, make_step, recipe_config  # noqa: E402
+
+from k3lit.model import ModelConfig  # noqa: E402
+
+LAUNCH = "LaunchKernel"  # in cudaLaunchKernel, cuLaunchKernel, cuLaunchKernelEx, cudaLaunchKernelExC
+# host-side CUDA API calls worth counting: copies, pinned allocations, and anything that waits for the device
+API_CALLS = ("Memcpy", "HostAlloc", "Synchronize")
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -32,47 +59,185 @@ def overrides(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set takes field=value pairs of ModelConfig, got {pair!r}")
+            raise SystemExit(f"--set / --grid take field=value pairs of ModelConfig, got {pair!r}")
         out[key] = yaml.safe_load(value)
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default="recipes/small.yaml")
-    p.add_argument("--set", nargs="*", default=[], help="ModelConfig overrides, field=value")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rows", type=int, default=30)
-    p.add_argument("--trace", help="also write a Chrome trace here")
-    a = p.parse_args()
-    cfg, data = recipe_config(Path(a.recipe), None)
-    cfg = dataclasses.replace(cfg, **overrides(a.set))
-    batch, seq = a.batch or int(data.get("batch_size", 16)), a.seq or int(data.get("seq_len", 2048))
+def grid(pairs: list[str]) -> list[dict]:
+    """``["residual=plain,block_attnres", "activation_checkpointing=none,block"]`` -> the 4 override dicts."""
+    axes = [[f"{key}={v}" for v in values.split(",")] for key, _, values in (p.partition("=") for p in pairs)]
+    return [overrides(list(combo)) for combo in itertools.product(*axes)] or [{}]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every operator that reaches the dispatcher below autograd (forward, backward, recomputation and
+    optimizer): ``counts[name]``; ``views`` of them only alias (no kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        self.views += bool(getattr(func, "is_view", False))
+        return func(*args, **(kwargs or {}))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _table(events: list, key: str, steps: int, rows: int, device_col: bool) -> str:
+    """Compact rows ``name | calls/step | self CPU ms/step [| self device ms/step]`` sorted by ``key``."""
+    events = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
+    head = f"  {'operator':<58} {'calls':>7} {'self CPU ms':>11}" + (f" {'self dev ms':>11}" if device_col else "")
+    lines = [head]
+    for e in events:
+        line = f"  {e.key[:58]:<58} {e.count / steps:>7.1f} {e.self_cpu_time_total / steps / 1e3:>11.2f}"
+        if device_col:
+            line += f" {e.self_device_time_total / steps / 1e3:>11.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int, trace: str | None) -> dict:
+    """Time, count and profile ``steps`` optimizer steps of ``cfg``; returns the summary and the text tables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(cfg, device, False)
     step = make_step(model, device)
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     for _ in range(3):  # compile kernels, prime the allocator
         step(x)
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step(x)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    counter = OpCounter()
+    with counter:
+        step(x)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        for _ in range(a.steps):
+        for _ in range(steps):
             step(x)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / a.steps
-    events = prof.key_averages()
-    sort = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]  # kernel rows, not the ops launching them
-    kernel_us = sum(e.self_device_time_total for e in kernels) / a.steps if kernels else float("nan")
-    print(f"config: {a.recipe} {' '.join(a.set)} batch {batch} x {seq}")
-    print(f"wall per step {1e3 * wall:.1f} ms; device kernels per step {kernel_us / 1e3:.1f} ms")
-    print(events.table(sort_by=sort, row_limit=a.rows, max_name_column_width=60))
-    if a.trace:
-        prof.export_chrome_trace(a.trace)
+        _sync(device)
+        prof_wall = (time.perf_counter() - t0) / steps
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA]  # kernel rows, not the ops launching them
+    cpu_ops = [e for e in averages if e.device_type == DeviceType.CPU]
+    top_level_us = sum(e.cpu_time_total for e in prof.events()
+                       if e.cpu_parent is None and e.device_type == DeviceType.CPU)
+    n_sub = len(model.sublayers)
+    summary = {
+        "config": {k: getattr(cfg, k) for k in ("residual", "activation_checkpointing", "attnres_block_size")},
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "wall_ms": 1e3 * statistics.median(times),
+        "wall_profiled_ms": 1e3 * prof_wall,
+        "device_ms": sum(e.self_device_time_total for e in kernels) / steps / 1e3 if kernels else None,
+        "host_in_ops_ms": top_level_us / steps / 1e3,
+        "ops": sum(counter.counts.values()),
+        "views": counter.views,
+        "kernels": sum(e.count for e in kernels) / steps if kernels else None,
+        "launches": sum(e.count for e in cpu_ops if LAUNCH in e.key) / steps,
+        "api_calls": {e.key: e.count / steps for e in cpu_ops if any(c in e.key for c in API_CALLS)},
+        "sublayers": n_sub,
+        "top_dispatched": counter.counts.most_common(12),
+    }
+    if trace:
+        prof.export_chrome_trace(trace)
+    full = [f"by self CPU time:\n{_table(cpu_ops, 'self_cpu_time_total', steps, 60, bool(kernels))}"]
+    short = [f"top self CPU (ms and calls per step):\n{_table(cpu_ops, 'self_cpu_time_total', steps, rows, False)}"]
+    if kernels:
+        full.append(f"by self device time:\n{_table(averages, 'self_device_time_total', steps, 60, True)}")
+        short.append(f"top self device (ms and calls per step):\n"
+                     f"{_table(kernels, 'self_device_time_total', steps, rows, True)}")
+    full.append("dispatched operators per step:\n" + "\n".join(f"  {n:<40} {c:>7}" for n, c in
+                                                                counter.counts.most_common()))
+    del model, step
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"summary": summary, "short": "\n".join(short), "full": "\n\n".join(full)}
+
+
+def headline(s: dict, batch: int, seq: int) -> str:
+    """The summary of one configuration in four or five lines."""
+    c, per = s["config"], s["sublayers"]
+    dev = "" if s["device_ms"] is None else f" · device kernels {s['device_ms']:.1f} ms ({s['kernels']:.0f} kernels)"
+    lines = [
+        f"== {c['residual']} / {c['activation_checkpointing']} (S={c['attnres_block_size']}) · "
+        f"{s['params_m']:.0f}M params · batch {batch} x {seq}",
+        f"wall {s['wall_ms']:.1f} ms/step{dev}; profiled: wall {s['wall_profiled_ms']:.1f} ms, inside torch ops "
+        f"and CUDA calls {s['host_in_ops_ms']:.1f} ms",
+        f"per step: {s['ops']} dispatched ops ({s['views']} views), {s['launches']:.0f} kernel launches; per "
+        f"sublayer ({per}): {s['ops'] / per:.0f} ops, {s['launches'] / per:.0f} launches",
+    ]
+    if s["api_calls"]:
+        lines.append("CUDA calls per step: " + ", ".join(f"{k} {v:.1f}" for k, v in s["api_calls"].items()))
+    lines.append("most dispatched: " + ", ".join(f"{n.removeprefix('aten.')} {k}" for n, k in s["top_dispatched"][:8]))
+    return "\n".join(lines)
+
+
+def comparison(summaries: list[dict]) -> str:
+    """One row per configuration, with ratios to ``none`` of the same residual and to ``plain`` of the same
+    policy where those ran."""
+    def key(s, **kw):
+        c = dict(s["config"], **kw)
+        return c["residual"], c["activation_checkpointing"]
+
+    by = {key(s): s for s in summaries}
+    lines = ["| residual | policy | wall ms | device ms | ops | launches | vs none | vs plain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        none, plain = by.get(key(s, activation_checkpointing="none")), by.get(key(s, residual="plain"))
+        dev = "-" if s["device_ms"] is None else f"{s['device_ms']:.1f}"
+        lines.append(f"| {s['config']['residual']} | {s['config']['activation_checkpointing']} | {s['wall_ms']:.1f} | "
+                     f"{dev} | {s['ops']} | {s['launches']:.0f} | "
+                     f"{'-' if none is None else format(s['wall_ms'] / none['wall_ms'], '.2f') + 'x'} | "
+                     f"{'-' if plain is None else format(s['wall_ms'] / plain['wall_ms'], '.3f') + 'x'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="recipes/small.yaml")
+    p.add_argument("--size", choices=list(SIZES), help="model, batch and length of benchmarks/attnres.py instead")
+    p.add_argument("--set", nargs="*", default=[], help="ModelConfig overrides, field=value")
+    p.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ...: every combination, one after another")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=12)
+    p.add_argument("--out", help="folder for the full tables and summary.json")
+    p.add_argument("--trace", help="also write a Chrome trace here (the last configuration's)")
+    a = p.parse_args()
+    if a.size:
+        spec = SIZES[a.size]
+        base, batch, seq = spec["cfg"], a.batch or spec["batch"], a.seq or spec["seq"]
+    else:
+        base, data = recipe_config(Path(a.recipe), None)
+        batch, seq = a.batch or int(data.get("batch_size", 16)), a.seq or int(data.get("seq_len", 2048))
+    base = dataclasses.replace(base, **overrides(a.set))
+    out = Path(a.out) if a.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for over in grid(a.grid):
+        cfg = dataclasses.replace(base, **over)
+        r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace)
+        print(headline(r["summary"], batch, seq), r["short"], "", sep="\n", flush=True)
+        if out:
+            name = "_".join(f"{k}-{v}" for k, v in over.items()) or "config"
+            (out / f"{name}.txt").write_text(headline(r["summary"], batch, seq) + "\n\n" + r["full"] + "\n")
+        summaries.append(r["summary"])
+    print(comparison(summaries))
+    if out:
+        (out / "summary.json").write_text(json.dumps(summaries, indent=1))
 
 
 if __name__ == "__main__":
