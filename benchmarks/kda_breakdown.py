@@ -31,15 +31,12 @@ from k3lit.kernels.kda import chunk  # noqa: E402
 SWEEP = {
     "default": {},
     "plain bv16": dict(scan_bv=16),
-    "plain bv64": dict(scan_bv=64),
-    "transposed bv32": dict(scan="transposed", scan_bv=32),
-    "transposed bv64": dict(scan="transposed", scan_bv=64),
     "transposed bv64 +out": dict(scan="transposed", scan_bv=64, fuse_out=True),
-    "transposed bv32 +out": dict(scan="transposed", scan_bv=32, fuse_out=True),
-    "transposed bv16": dict(scan="transposed", scan_bv=16),
-    "intra 8 warps": dict(intra_warps=8),
-    "main_bwd 8 warps": dict(main_bwd_warps=8),
-    "out 8 warps": dict(out_warps=8),
+    "inverse blocked": dict(inverse=1),
+    "inverse split, 1 warp": dict(inverse=2, wy_warps=1),
+    "inverse split, 2 warps": dict(inverse=2, wy_warps=2),
+    "inverse split, 4 warps": dict(inverse=2, wy_warps=4),
+    "inverse blocked, bv16": dict(inverse=1, scan_bv=16),
 }
 
 
@@ -110,12 +107,15 @@ def sweep(shapes, report: dict) -> None:
                 fb = bench(lambda xs=xs, do=do: ours(*xs)[0].backward(do))
                 for x in xs:
                     x.grad = None
+                with torch.no_grad():
+                    ks = kernel_ms(lambda xs=xs: ours(*xs))
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 print(f"sweep {label} {(B, T, H, D)}: failed {exc!r}"[:300], flush=True)
                 continue
-            report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(fwd=f, fb=fb, diff=err)
-            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default {err:.1e})",
-                  flush=True)
+            report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(fwd=f, fb=fb, diff=err,
+                                                                                          fwd_kernels=ks)
+            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default {err:.1e}) "
+                  + " ".join(f"{k} {v:.2f}" for k, v in ks.items() if k.startswith("_")), flush=True)
     chunk.TUNING.clear()
     chunk.TUNING.update(defaults)
 
