@@ -30,13 +30,16 @@ from k3lit.kernels.kda import chunk  # noqa: E402
 #: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
 SWEEP = {
     "default": {},
-    "plain bv16": dict(scan_bv=16),
-    "transposed bv64 +out": dict(scan="transposed", scan_bv=64, fuse_out=True),
-    "inverse blocked": dict(inverse=1),
-    "inverse split, 1 warp": dict(inverse=2, wy_warps=1),
-    "inverse split, 2 warps": dict(inverse=2, wy_warps=2),
-    "inverse split, 4 warps": dict(inverse=2, wy_warps=4),
-    "inverse blocked, bv16": dict(inverse=1, scan_bv=16),
+    "fwd bv16": dict(fwd_bv=16),
+    "fwd transposed bv64 +out": dict(fwd_scan="transposed", fwd_bv=64, fuse_out=True),
+    "bwd bv16": dict(bwd_bv=16),
+    "bwd transposed bv64": dict(bwd_scan="transposed", bwd_bv=64),
+    "bwd transposed bv32": dict(bwd_scan="transposed", bwd_bv=32),
+    "intra 2 warps": dict(intra_warps=2),
+    "out 2 warps": dict(out_warps=2),
+    "main_bwd bv32": dict(main_bwd_bv=32),
+    "main_bwd bk32 bv32": dict(main_bwd_bk=32, main_bwd_bv=32),
+    "main_bwd bk128": dict(main_bwd_bk=128),
 }
 
 

@@ -49,7 +49,7 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     beta = torch.empty(B, T, H, **bf)
     bias = torch.empty(H * K, device=META) if gate else None
     fusion = (bias, -5.0 if gate else None, l2)
-    names = ("_intra_fwd", "_scan_fwd", "_out_fwd", "_scan_bwd", "_main_bwd")
+    names = ("_intra_fwd", "_wy_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t", "_main_bwd")
     with aot.record_launches(chunk, *names) as launches:
         o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
                                                                *fusion)

@@ -12,9 +12,9 @@ its middle row and ``S`` the state entering the chunk (docs/MATH.md §1)::
     O    = scale (Q⊙exp(G)) S + Aq Delta
     S'   = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
 
-Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, M, W, U), ``_scan_fwd`` (per sequence and value
-block: the sequential state recurrence, stores every chunk's entering state and Delta), ``_out_fwd``
-(per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS per chunk and dDelta),
+Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, L), ``_wy_fwd`` (per chunk: M, W, U), ``_scan_fwd``
+(per sequence and value block: the sequential state recurrence, stores every chunk's entering state and
+Delta), ``_out_fwd`` (per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS per chunk and dDelta),
 ``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). Precision: exponentials, cumulative sums, the inverse
 and the states in float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32
 accumulation.
@@ -106,14 +106,13 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 def _intra_fwd(
     k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, INV: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
 ):
-    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), M = (I + Diag(beta) A)^-1, W, U, and the scan's
+    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), L = Diag(beta) A (strictly lower), and the scan's
     operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
     the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
-    reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. ``INV``:
-    how M is formed (:func:`_inverse`); 2 stores L = Diag(beta) A in ``Mi`` and leaves M, W, U to
-    :func:`_wy_fwd`."""
+    reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. L goes to
+    ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     R: tl.constexpr = (C - 1) // 2
@@ -125,8 +124,6 @@ def _intra_fwd(
         r_k = _rnorm(k, tok, i_h, m_t, H, K, C, BK)
         tl.store(rnq + tok * H + i_h, r_q, mask=m_t)
         tl.store(rnk + tok * H + i_h, r_k, mask=m_t)
-    else:
-        r_k = tl.full([C], 1.0, tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
     B_qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
@@ -155,57 +152,40 @@ def _intra_fwd(
     B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
     tl.store(Aq + offc, B_qk, mask=m_t[:, None])
-    if INV == 2:  # the inverse, W and U in _wy_fwd
-        tl.store(Mi + offc, L, mask=m_t[:, None])
-    else:
-        _wy(L, b_beta, k, v, g, bias, g_min, r_k, Mi, W, U, tok, m_t, i_h, H, K, V, C, BK, BV, F32, GATE, L2, INV)
+    tl.store(Mi + offc, L, mask=m_t[:, None])  # _wy_fwd replaces L by M = (I + L)^-1
 
 
 @triton.jit
-def _inverse(L, rows, C: tl.constexpr, INV: tl.constexpr):
-    """``(I + L)^-1`` of a strictly lower ``[C, C]`` float32 tile, in float32.
-
-    ``INV`` 0 (and 2): forward substitution row by row, X_i = e_i - sum_{j<i} L_ij X_j (C - 1 dependent steps,
-    each two reductions over the tile). ``INV`` 1: the same substitution inside 8 x 8 diagonal blocks, one row
-    of every block per step (7 steps, each one product), then blocks merged pairwise, 8 -> 16 -> ... -> C:
-    with X the block-diagonal inverse and L_off the off-diagonal blocks of the merged blocks,
-    (I + L)^-1 = X - X L_off X. Products in 3xTF32 (float32 accuracy)."""
-    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    X = eye
-    if INV == 1:
-        SB: tl.constexpr = 8
-        blk = rows // SB
-        Lb = tl.where(blk[:, None] == blk[None, :], L, 0.0)
-        for j in tl.static_range(1, SB):
-            sel = (rows % SB) == j
-            P = tl.dot(tl.where(sel[:, None], Lb, 0.0), X, input_precision="tf32x3")
-            X = tl.where(sel[:, None], X - P, X)
-        NL: tl.constexpr = 1 if C == 16 else (2 if C == 32 else 3)  # merge levels: log2(C / 8)
-        for lv in tl.static_range(0, NL):
-            bi = rows // (SB << lv)
-            m_off = (bi[:, None] == bi[None, :] + 1) & (bi[:, None] % 2 == 1)
-            XL = tl.dot(X, tl.where(m_off, L, 0.0), input_precision="tf32x3")
-            X = X - tl.dot(XL, X, input_precision="tf32x3")
-    else:
-        for i in range(1, C):
-            l_i = _row(L, rows, i)
-            x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
-            X = tl.where((rows == i)[:, None], x_i[None, :], X)
-    return X
-
-
-@triton.jit
-def _wy(
-    L, b_beta, k, v, g, bias, g_min, r_k, Mi, W, U, tok, m_t, i_h,
+def _wy_fwd(
+    k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, INV: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
 ):
-    """M = (I + L)^-1 (stored in ``Mi``), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V of one chunk."""
+    """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi``: M = (I + L)^-1
+    (stored over L), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
+
+    M by forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower): C - 1 dependent
+    steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
+    warps (no shared memory, no barriers): on the H200 this kernel plus an inverse-free :func:`_intra_fwd` took
+    0.6x the time of one kernel doing both with four warps (benchmarks/kda_breakdown.py)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     rows = tl.arange(0, C)
-    X = _inverse(L, rows, C, INV)
+    m_t = rows < n_valid
+    tok = t0 + rows
     offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    L = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    X = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, C):
+        l_i = _row(L, rows, i)
+        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
+        X = tl.where((rows == i)[:, None], x_i[None, :], X)
+    tl.debug_barrier()  # every thread has read L before M overwrites it
     tl.store(Mi + offc, X, mask=m_t[:, None])
     Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
+    if L2:
+        r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
     for kb in range(0, K, BK):
         cols = kb + tl.arange(0, BK)
         msk = m_t[:, None] & (cols < K)[None, :]
@@ -224,30 +204,6 @@ def _wy(
         b_u = _dot(Xb, _op(b_v, F32), F32)
         tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
 
-
-@triton.jit
-def _wy_fwd(
-    k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min, rnk,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
-):
-    """Per (chunk, head), after :func:`_intra_fwd` with ``INV`` 2 left L = Diag(beta) A in ``Mi``: M, W, U as
-    :func:`_wy`, in a kernel of its own (launched with few warps: the substitution's reductions then stay
-    within a warp)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
-    tok = t0 + rows
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
-    L = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
-    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if L2:
-        r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
-    else:
-        r_k = b_beta
-    tl.debug_barrier()  # every thread has read L before M overwrites it
-    _wy(L, b_beta, k, v, g, bias, g_min, r_k, Mi, W, U, tok, m_t, i_h, H, K, V, C, BK, BV, F32, GATE, L2, 0)
 
 @triton.jit
 def _scan_fwd(
@@ -718,21 +674,21 @@ def _f32_operands(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: Launch settings. ``scan``: ``"plain"`` keeps the scans' state as ``[BK, BV]`` (:func:`_scan_fwd`),
-#: ``"transposed"`` as ``[BV, BK]`` (:func:`_scan_fwd_t`); ``scan_bv``: value columns per scan program (the scans
-#: are latency-bound when B * H is small: narrower blocks give more programs); ``*_warps``: warps per program
-#: (``scan_warps`` None: 4 for K <= 128, else 8); ``fuse_out``: the transposed forward scan also writes the output
-#: (no :func:`_out_fwd`); ``inverse``: how the WY inverse is formed (:func:`_inverse`; 2 = in :func:`_wy_fwd` with
-#: ``wy_warps`` warps). ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
-TUNING: dict = dict(scan="plain", scan_bv=32, scan_warps=None, fuse_out=False, inverse=0, wy_warps=1, intra_warps=4,
-                    out_warps=4, main_bwd_warps=4)
+#: Launch settings, timed on the H200 by ``benchmarks/kda_breakdown.py --sweep``. ``fwd_scan`` / ``bwd_scan``:
+#: ``"plain"`` keeps a scan's state as ``[BK, BV]`` (:func:`_scan_fwd`, :func:`_scan_bwd`), ``"transposed"`` as
+#: ``[BV, BK]`` (:func:`_scan_fwd_t`, :func:`_scan_bwd_t`); ``fwd_bv`` / ``bwd_bv``: value columns per scan
+#: program (narrower: more programs, which the latency-bound scans want when B * H is small); ``fuse_out``: the
+#: transposed forward scan also writes the output (no :func:`_out_fwd`); ``*_warps``: warps per program
+#: (``scan_warps`` None: 4 for K <= 128, else 8); ``main_bwd_bk`` / ``main_bwd_bv``: :func:`_main_bwd`'s tiles.
+TUNING: dict = dict(fwd_scan="plain", fwd_bv=32, bwd_scan="plain", bwd_bv=32, scan_warps=None, fuse_out=False,
+                    intra_warps=4, wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bk=64, main_bwd_bv=64)
 
 
-def _scan_cfg(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) for the sequential scans: the state tile lives in registers."""
+def _scan_cfg(K: int, V: int, which: str) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) for the ``"fwd"`` or ``"bwd"`` scan: the state tile lives in registers."""
     BK = _pow2(K)
     nw = TUNING["scan_warps"] or (4 if BK <= 128 else 8)
-    return BK, min(_pow2(V), TUNING["scan_bv"]), nw
+    return BK, min(_pow2(V), TUNING[which + "_bv"]), nw
 
 
 def chunk_fwd(
@@ -772,16 +728,15 @@ def chunk_fwd(
     rnq, rnk = Rn if qk_l2norm else (None, None)
     _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0,
                         rnq, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
-                        INV=TUNING["inverse"], num_warps=TUNING["intra_warps"])
-    if TUNING["inverse"] == 2:
-        _wy_fwd[(NC, H)](k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min if gate else 0.0, rnk, H=H, K=K, V=V, C=C,
-                         BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
-    BK, BV, nw = _scan_cfg(K, V)
+                        num_warps=TUNING["intra_warps"])
+    _wy_fwd[(NC, H)](k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min if gate else 0.0, rnk, H=H, K=K, V=V, C=C,
+                     BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
+    BK, BV, nw = _scan_cfg(K, V, "fwd")
     scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
                 F32=F32, num_warps=nw)
-    fuse_out = TUNING["scan"] == "transposed" and TUNING["fuse_out"]
-    if TUNING["scan"] == "plain":
+    fuse_out = TUNING["fwd_scan"] == "transposed" and TUNING["fuse_out"]
+    if TUNING["fwd_scan"] == "plain":
         _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, **meta)
     else:
         _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fuse_out, **meta)
@@ -826,8 +781,8 @@ def chunk_bwd(
         return dq, dk, dv, dg, dbeta, dh0
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
-    BK, BV, nw = _scan_cfg(K, V)
-    (_scan_bwd if TUNING["scan"] == "plain" else _scan_bwd_t)[(triton.cdiv(V, BV), N * H)](
+    BK, BV, nw = _scan_cfg(K, V, "bwd")
+    (_scan_bwd if TUNING["bwd_scan"] == "plain" else _scan_bwd_t)[(triton.cdiv(V, BV), N * H)](
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
     # float32 scratch: dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ (passes 2 -> 3)
@@ -838,7 +793,7 @@ def chunk_bwd(
     rnq, rnk = Rn if qk_l2norm else (None, None)
     _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2], s_dq,
                        s_dk, dgs, cu, cidx, scale, g if gate else None, _bias(gate_bias, gate, H * K, q.device),
-                       g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
-                       BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
+                       g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(TUNING["main_bwd_bk"], _pow2(K)),
+                       BV=min(TUNING["main_bwd_bv"], _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
                        num_warps=TUNING["main_bwd_warps"])
     return dq, dk, dv, dg, dbeta, dh0

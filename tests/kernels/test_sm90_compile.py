@@ -23,7 +23,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(out.read_text())
     compiled = {(r["config"], r["name"]) for r in rows}
-    kda = ["_intra_fwd", "_scan_fwd", "_out_fwd", "_scan_bwd", "_main_bwd", "_fused_recurrent_fwd"]
+    kda = ["_intra_fwd", "_wy_fwd", "_scan_fwd", "_out_fwd", "_scan_bwd", "_main_bwd", "_fused_recurrent_fwd"]
     kda_configs = ("KDA K=V=128", "KDA K=V=128, gate + q/k L2 norm fused", "KDA K=V=256",
                    "KDA K=V=128, float32 inputs (3xTF32 products)")
     expected = {(c, n) for c in kda_configs for n in kda}
@@ -32,4 +32,4 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd")}
     assert compiled == expected
     for r in rows:
-        assert 0 < r["registers"] <= 255 and r["num_warps"] in (4, 8), r
+        assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8), r
