@@ -10,6 +10,8 @@
 model); ``--set`` overrides ModelConfig fields for every configuration, ``--grid`` runs every combination of the
 listed values. Per configuration it prints:
 
+* the activation peak on GPUs (peak allocated memory over the timed steps minus weights and optimizer state,
+  as ``benchmarks/attnres.py`` measures it, gradients included);
 * wall time per step without the profiler (synchronised, median of ``--steps``), the summed device-kernel time
   per step (the gap is time the GPU waits for the host), and under the profiler the wall time and the host
   time spent inside top-level torch operators and CUDA API calls (every thread; the rest is Python);
@@ -111,6 +113,10 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     for _ in range(3):  # compile kernels, prime the allocator
         step(x)
+    _sync(device)
+    base = torch.cuda.memory_allocated() if device == "cuda" else 0  # weights and optimizer state
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         _sync(device)
@@ -118,6 +124,7 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         step(x)
         _sync(device)
         times.append(time.perf_counter() - t0)
+    act_mib = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
     counter = OpCounter()
     with counter:
         step(x)
@@ -138,6 +145,7 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         "config": {k: getattr(cfg, k) for k in ("residual", "activation_checkpointing", "attnres_block_size")},
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "wall_ms": 1e3 * statistics.median(times),
+        "act_mib": act_mib,
         "wall_profiled_ms": 1e3 * prof_wall,
         "device_ms": sum(e.self_device_time_total for e in kernels) / steps / 1e3 if kernels else None,
         "host_in_ops_ms": top_level_us / steps / 1e3,
@@ -169,9 +177,10 @@ def headline(s: dict, batch: int, seq: int) -> str:
     """The summary of one configuration in four or five lines."""
     c, per = s["config"], s["sublayers"]
     dev = "" if s["device_ms"] is None else f" · device kernels {s['device_ms']:.1f} ms ({s['kernels']:.0f} kernels)"
+    mem = "" if s["act_mib"] is None else f" · activation peak {s['act_mib']:.0f} MiB"
     lines = [
         f"== {c['residual']} / {c['activation_checkpointing']} (S={c['attnres_block_size']}) · "
-        f"{s['params_m']:.0f}M params · batch {batch} x {seq}",
+        f"{s['params_m']:.0f}M params · batch {batch} x {seq}{mem}",
         f"wall {s['wall_ms']:.1f} ms/step{dev}; profiled: wall {s['wall_profiled_ms']:.1f} ms, inside torch ops "
         f"and CUDA calls {s['host_in_ops_ms']:.1f} ms",
         f"per step: {s['ops']} dispatched ops ({s['views']} views), {s['launches']:.0f} kernel launches; per "
@@ -191,13 +200,14 @@ def comparison(summaries: list[dict]) -> str:
         return c["residual"], c["activation_checkpointing"]
 
     by = {key(s): s for s in summaries}
-    lines = ["| residual | policy | wall ms | device ms | ops | launches | vs none | vs plain |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| residual | policy | wall ms | device ms | act. MiB | ops | launches | vs none | vs plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         none, plain = by.get(key(s, activation_checkpointing="none")), by.get(key(s, residual="plain"))
         dev = "-" if s["device_ms"] is None else f"{s['device_ms']:.1f}"
+        mem = "-" if s["act_mib"] is None else f"{s['act_mib']:.0f}"
         lines.append(f"| {s['config']['residual']} | {s['config']['activation_checkpointing']} | {s['wall_ms']:.1f} | "
-                     f"{dev} | {s['ops']} | {s['launches']:.0f} | "
+                     f"{dev} | {mem} | {s['ops']} | {s['launches']:.0f} | "
                      f"{'-' if none is None else format(s['wall_ms'] / none['wall_ms'], '.2f') + 'x'} | "
                      f"{'-' if plain is None else format(s['wall_ms'] / plain['wall_ms'], '.3f') + 'x'} |")
     return "\n".join(lines)
