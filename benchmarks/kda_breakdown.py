@@ -4,7 +4,7 @@
 ``chunk_kda(safe_gate=True, lower_bound=-5)`` with ``--fla``) under ``torch.profiler`` and sums every device
 kernel's time per call (CUPTI kernel durations: the profiler's host overhead does not enter them), forward and
 forward+backward. ``--sweep`` times the alternatives of ``k3lit.kernels.kda.chunk.TUNING`` (scan layout, value
-block, warps, fused output) with ``triton.testing.do_bench``, each checked against the default first.
+block, warps) with ``triton.testing.do_bench``, each checked against the default first.
 
     python benchmarks/kda_breakdown.py --shapes 1x65536x16x128 8x2048x16x128 [--fla] [--sweep] [--json out.json]
 
@@ -30,16 +30,13 @@ from k3lit.kernels.kda import chunk  # noqa: E402
 #: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
 SWEEP = {
     "default": {},
-    "fwd bv16": dict(fwd_bv=16),
-    "fwd transposed bv64 +out": dict(fwd_scan="transposed", fwd_bv=64, fuse_out=True),
-    "bwd bv16": dict(bwd_bv=16),
-    "bwd transposed bv64": dict(bwd_scan="transposed", bwd_bv=64),
-    "bwd transposed bv32": dict(bwd_scan="transposed", bwd_bv=32),
-    "intra 2 warps": dict(intra_warps=2),
-    "out 2 warps": dict(out_warps=2),
-    "main_bwd bv32": dict(main_bwd_bv=32),
-    "main_bwd bk32 bv32": dict(main_bwd_bk=32, main_bwd_bv=32),
-    "main_bwd bk128": dict(main_bwd_bk=128),
+    "fwd plain": dict(fwd_scan="plain"),
+    "fwd transposed": dict(fwd_scan="transposed"),
+    "fwd plain bv32": dict(fwd_scan="plain", fwd_bv=32),
+    "bwd plain": dict(bwd_scan="plain"),
+    "bwd transposed": dict(bwd_scan="transposed"),
+    "intra 1 warp": dict(intra_warps=1),
+    "intra 4 warps": dict(intra_warps=4),
 }
 
 

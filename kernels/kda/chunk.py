@@ -28,6 +28,7 @@ depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -253,13 +254,13 @@ def _scan_fwd(
 def _scan_fwd_t(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, OUT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
 ):
     """:func:`_scan_fwd` with the state held transposed, ``S^T [BV, BK]``: Delta^T = U^T - S^T W^T and
     S^T <- S^T Diag(exp(G_last)) + Delta^T Kd. The state and Delta are then the left operands of both products,
-    which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). With
-    ``OUT`` it also writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in
-    place of :func:`_out_fwd`."""
+    which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). It also
+    writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in place of
+    :func:`_out_fwd`."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -290,12 +291,11 @@ def _scan_fwd_t(
         b_ut = tl.trans(tl.load(U + offv, mask=mv, other=0.0).to(tl.float32))
         b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
         tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
-        if OUT:
-            b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-            b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
-            b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
-                                                                             F32)
-            tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
+        b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
+        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
+                                                                         F32)
+        tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
         St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
@@ -674,21 +674,40 @@ def _f32_operands(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-#: Launch settings, timed on the H200 by ``benchmarks/kda_breakdown.py --sweep``. ``fwd_scan`` / ``bwd_scan``:
-#: ``"plain"`` keeps a scan's state as ``[BK, BV]`` (:func:`_scan_fwd`, :func:`_scan_bwd`), ``"transposed"`` as
-#: ``[BV, BK]`` (:func:`_scan_fwd_t`, :func:`_scan_bwd_t`); ``fwd_bv`` / ``bwd_bv``: value columns per scan
-#: program (narrower: more programs, which the latency-bound scans want when B * H is small); ``fuse_out``: the
-#: transposed forward scan also writes the output (no :func:`_out_fwd`); ``*_warps``: warps per program
-#: (``scan_warps`` None: 4 for K <= 128, else 8); ``main_bwd_bk`` / ``main_bwd_bv``: :func:`_main_bwd`'s tiles.
-TUNING: dict = dict(fwd_scan="plain", fwd_bv=32, bwd_scan="plain", bwd_bv=32, scan_warps=None, fuse_out=False,
-                    intra_warps=4, wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bk=64, main_bwd_bv=64)
+#: Launch settings. ``fwd_scan`` / ``bwd_scan``: ``"plain"`` keeps a scan's state as ``[BK, BV]``
+#: (:func:`_scan_fwd` + :func:`_out_fwd`, :func:`_scan_bwd`), ``"transposed"`` as ``[BV, BK]`` (:func:`_scan_fwd_t`,
+#: which writes the output itself, :func:`_scan_bwd_t`), ``"auto"`` picks by :func:`_scan_plan`; ``fwd_bv`` /
+#: ``bwd_bv``: value columns per scan program (None: by :func:`_scan_plan`); ``*_warps``: warps per program
+#: (``scan_warps`` None: 4 for K <= 128, else 8). ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
+TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
+                    wy_warps=1, out_warps=4, main_bwd_warps=4)
 
 
-def _scan_cfg(K: int, V: int, which: str) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) for the ``"fwd"`` or ``"bwd"`` scan: the state tile lives in registers."""
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device) -> tuple[bool, int, int, int]:
+    """``(transposed, BK, BV, num_warps)`` of the ``"fwd"`` or ``"bwd"`` scan over ``NH`` = sequences x heads.
+
+    The scans are latency-bound: one program per (sequence, head, value block) walks all chunks in order. Rule
+    from H200 timings (benchmarks/RESULTS.md, "KDA launch settings"): with K <= 128 and NH >= 128 the transposed
+    state in 64-wide value blocks (fewer, shorter steps; enough programs remain); else the plain state in 32-wide
+    blocks, 16-wide for the forward when 32-wide ones would leave SMs idle."""
+    mode = TUNING[which + "_scan"]
+    if mode == "auto":
+        mode = "transposed" if K <= 128 and NH >= 128 else "plain"
+    BV = TUNING[which + "_bv"]
+    if BV is None:
+        if mode == "transposed":
+            BV = 64
+        elif which == "fwd" and NH * triton.cdiv(V, 32) < _sm_count(device):
+            BV = 16
+        else:
+            BV = 32
     BK = _pow2(K)
-    nw = TUNING["scan_warps"] or (4 if BK <= 128 else 8)
-    return BK, min(_pow2(V), TUNING[which + "_bv"]), nw
+    return mode == "transposed", BK, min(_pow2(V), BV), TUNING["scan_warps"] or (4 if BK <= 128 else 8)
 
 
 def chunk_fwd(
@@ -731,16 +750,14 @@ def chunk_fwd(
                         num_warps=TUNING["intra_warps"])
     _wy_fwd[(NC, H)](k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min if gate else 0.0, rnk, H=H, K=K, V=V, C=C,
                      BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
-    BK, BV, nw = _scan_cfg(K, V, "fwd")
+    transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
     scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
                 F32=F32, num_warps=nw)
-    fuse_out = TUNING["fwd_scan"] == "transposed" and TUNING["fuse_out"]
-    if TUNING["fwd_scan"] == "plain":
-        _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, **meta)
+    if transposed:
+        _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, **meta)
     else:
-        _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fuse_out, **meta)
-    if not fuse_out:
+        _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, **meta)
         BVo = min(64, _pow2(V))
         _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi, BV=BVo, F32=F32,
                                               num_warps=TUNING["out_warps"])
@@ -781,8 +798,8 @@ def chunk_bwd(
         return dq, dk, dv, dg, dbeta, dh0
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
-    BK, BV, nw = _scan_cfg(K, V, "bwd")
-    (_scan_bwd if TUNING["bwd_scan"] == "plain" else _scan_bwd_t)[(triton.cdiv(V, BV), N * H)](
+    transposed, BK, BV, nw = _scan_plan("bwd", N * H, K, V, q.device)
+    (_scan_bwd_t if transposed else _scan_bwd)[(triton.cdiv(V, BV), N * H)](
         Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
         HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
     # float32 scratch: dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ (passes 2 -> 3)
@@ -793,7 +810,7 @@ def chunk_bwd(
     rnq, rnk = Rn if qk_l2norm else (None, None)
     _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2], s_dq,
                        s_dk, dgs, cu, cidx, scale, g if gate else None, _bias(gate_bias, gate, H * K, q.device),
-                       g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(TUNING["main_bwd_bk"], _pow2(K)),
-                       BV=min(TUNING["main_bwd_bv"], _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
+                       g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
+                       BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
                        num_warps=TUNING["main_bwd_warps"])
     return dq, dk, dv, dg, dbeta, dh0

@@ -66,6 +66,16 @@ def run_both(inputs, cu_seqlens=None, g_min=-5.0, use_h0=True, fn=None):
     return err
 
 
+@pytest.fixture(params=["plain", "transposed"])
+def scan_layout(request, monkeypatch):
+    """Run the test with each state layout of the two scans (``chunk.TUNING``; by default picked per shape)."""
+    from k3lit.kernels.kda import chunk
+
+    monkeypatch.setitem(chunk.TUNING, "fwd_scan", request.param)
+    monkeypatch.setitem(chunk.TUNING, "bwd_scan", request.param)
+    return request.param
+
+
 def assert_errors(err, tol):
     bad = {n: e for n, e in err.items() if not e <= (tol[n] if isinstance(tol, dict) else tol)}
     assert not bad, f"relative RMS errors above tolerance: {bad} (all: {err})"
@@ -80,7 +90,7 @@ def assert_errors(err, tol):
         (1, 33, 1, 80, 72),  # K, V above one 64-wide block: the blocked loops and their masks
     ],
 )
-def test_forward_backward_matches_reference(seed, B, T, H, K, V):
+def test_forward_backward_matches_reference(seed, scan_layout, B, T, H, K, V):
     assert_errors(run_both(make_inputs(B, T, H, K, V)), TOL_F32)
 
 
@@ -99,7 +109,7 @@ def test_gate_edges(seed, gate):
         (64, "zero"),  # a whole number of chunks, no decay
     ],
 )
-def test_several_chunks(seed, T, gate):
+def test_several_chunks(seed, scan_layout, T, gate):
     assert_errors(run_both(make_inputs(1, T, 2, 24, 16, gate=gate)), TOL_F32)
 
 
@@ -117,7 +127,7 @@ def test_no_initial_state(seed):
 
 
 @pytest.mark.parametrize("lens", [[5, 33, 0, 12], [70, 1, 64, 31, 129]])
-def test_varlen_equals_separate_sequences(seed, lens):
+def test_varlen_equals_separate_sequences(seed, scan_layout, lens):
     from k3lit.kernels.kda import kda_triton
 
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=DEV)
@@ -344,7 +354,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
         (1, 512, 2, 128, 128, torch.float16),
     ],
 )
-def test_gpu_matches_reference(seed, B, T, H, K, V, dtype):
+def test_gpu_matches_reference(seed, scan_layout, B, T, H, K, V, dtype):
     assert_errors(run_both(make_inputs(B, T, H, K, V, dtype=dtype, device="cuda")), TOL_BF16)
 
 
@@ -358,7 +368,7 @@ def test_gpu_gate_edges(seed, gate):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_varlen(seed):
+def test_gpu_varlen(seed, scan_layout):
     lens = [1, 100, 64, 300, 31]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
     inputs = make_inputs(1, sum(lens), 2, 128, 128, dtype=torch.bfloat16, N=len(lens), device="cuda")
