@@ -639,12 +639,7 @@ def chunk_meta(
     (``cu_seqlens`` None) it is built without reading device memory; for a packed one it reads the lengths.
     """
     if cu_seqlens is None:
-        n_per = triton.cdiv(T, C)
-        cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
-        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n_per)
-        pos = torch.arange(n_per, device=device, dtype=torch.int32).repeat(B)
-        off = torch.arange(0, B + 1, device=device, dtype=torch.int32) * n_per
-        return cu, torch.stack([seq, pos], 1).contiguous(), off, B * n_per
+        return _dense_meta(B, T, C, device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     n_chunks = (cu[1:] - cu[:-1] + C - 1) // C
     off = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)]).to(torch.int32)
@@ -653,6 +648,18 @@ def chunk_meta(
                                   output_size=nc)
     pos = torch.arange(nc, device=device, dtype=torch.int32) - off[:-1].long()[seq.long()].to(torch.int32)
     return cu, torch.stack([seq, pos], 1).contiguous(), off, nc
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_meta(B: int, T: int, C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_meta` of a dense batch, built once per (B, T, C, device): every KDA call of a training step
+    (forward, backward, recomputation) reuses it instead of launching ~10 small kernels. The kernels only read it."""
+    n_per = triton.cdiv(T, C)
+    cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+    seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n_per)
+    pos = torch.arange(n_per, device=device, dtype=torch.int32).repeat(B)
+    off = torch.arange(0, B + 1, device=device, dtype=torch.int32) * n_per
+    return cu, torch.stack([seq, pos], 1).contiguous(), off, B * n_per
 
 
 def max_chunks(T_total: int, N: int, C: int) -> int:
@@ -692,12 +699,14 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device) -> tup
     """``(transposed, BK, BV, num_warps)`` of the ``"fwd"`` or ``"bwd"`` scan over ``NH`` = sequences x heads.
 
     The scans are latency-bound: one program per (sequence, head, value block) walks all chunks in order. Rule
-    from H200 timings (benchmarks/RESULTS.md, "KDA launch settings"): with K <= 128 and NH >= 128 the transposed
-    state in 64-wide value blocks (fewer, shorter steps; enough programs remain); else the plain state in 32-wide
-    blocks, 16-wide for the forward when 32-wide ones would leave SMs idle."""
+    from H200 timings (benchmarks/RESULTS.md, "KDA launch settings"): the transposed state in 64-wide value
+    blocks (fewer, shorter steps) once there are enough programs for it, NH >= 64 with K <= 128 forward and
+    NH >= 96 backward; else the plain state in 32-wide blocks, 16-wide for the forward when 32-wide ones would
+    leave SMs idle."""
     mode = TUNING[which + "_scan"]
     if mode == "auto":
-        mode = "transposed" if K <= 128 and NH >= 128 else "plain"
+        wide = NH >= 64 and K <= 128 if which == "fwd" else NH >= 96
+        mode = "transposed" if wide else "plain"
     BV = TUNING[which + "_bv"]
     if BV is None:
         if mode == "transposed":
