@@ -27,7 +27,7 @@ PyTorch first, and fla with its in-kernel L2 norm and the gate in PyTorch (fla's
 formula); section "KDA with fused gate and q/k L2 norm".
 
 Usage: ``python benchmarks/kda.py [--quick] [--no-fla] [--no-sdpa] [--fused-inputs] [--time-anyway]
-[--fla-compile-worker I/P] [--results benchmarks/RESULTS.md]``.
+[--shapes BxTxHxD ...] [--fla-compile-worker I/P] [--results benchmarks/RESULTS.md]``.
 """
 
 from __future__ import annotations
@@ -237,15 +237,15 @@ def time_sdpa(B, T, H, D):
     return fwd, bench(fb)
 
 
-def warm_fla(fla_fn) -> None:
+def warm_fla(fla_fn, shapes, with_correctness=True) -> None:
     """One fwd+bwd of fla at every shape the benchmark uses (compile worker: fills the Triton cache)."""
-    for _, (B, T, H, K, V), cu in correctness_cases():
+    for _, (B, T, H, K, V), cu in correctness_cases() if with_correctness else []:
         if K == 128:
             xs = inputs(B, T, H, K, V, requires_grad=True, h0=True)
             if cu is not None:
                 xs[5] = xs[5].new_zeros(cu.numel() - 1, H, K, V).normal_()
             fla_fn(*xs, cu=cu)[0].sum().backward()
-    for B, T, H, D in SHAPES:
+    for B, T, H, D in shapes:
         xs = inputs(B, T, H, D, D, requires_grad=True)
         fla_fn(*xs)[0].sum().backward()
     torch.cuda.synchronize()
@@ -273,7 +273,11 @@ def main():
     ap.add_argument("--time-anyway", action="store_true", help="print timings even on a red correctness gate")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
     ap.add_argument("--fused-inputs", action="store_true", help="only the fused gate / L2 norm table")
+    ap.add_argument("--shapes", nargs="+", metavar="BxTxHxD",
+                    help="time only these shapes (fla's correctness rows skipped) into their own section")
     args = ap.parse_args()
+    only = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes] if args.shapes else None
+    section = "KDA kernels" + (f" ({', '.join(args.shapes)})" if only else "")
     import triton
 
     if args.fused_inputs:
@@ -287,7 +291,7 @@ def main():
         from benchmarks.triton_warm import compile_only
 
         compile_only(*map(int, args.fla_compile_worker.split("/")))
-        warm_fla(make_fla(load_fla()))
+        warm_fla(make_fla(load_fla()), only or SHAPES, with_correctness=only is None)
         return
     fla_fn = None if args.no_fla else load_fla()
     fla_run = make_fla(fla_fn) if fla_fn is not None else None
@@ -295,12 +299,12 @@ def main():
     head = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}"
             + (", fla-core " + __import__("fla").__version__ if fla_fn is not None else ", fla not installed")
             + ". bf16 inputs, g = -5 sigmoid(.) float32, K = V = D.")
-    ok, lines = correctness(fla_run)
+    ok, lines = correctness(None if only else fla_run)
     body = [head, "", "Correctness: relative RMS error against the float64 token-by-token reference on the same "
             "bf16 inputs (tolerances: " + ", ".join(f"{n} {t}" for n, t in TOL.items()) + ").", "", *lines, ""]
     if not ok:
         body.append("**Gate red: k3lit's errors exceed the tolerances; no timings reported.**")
-        write_section("KDA kernels", "\n".join(body), args.results)
+        write_section(section, "\n".join(body), args.results)
         print("\n".join(body))
         if not args.time_anyway:
             sys.exit(1)
@@ -312,7 +316,7 @@ def main():
              "| B | T | H | D | k3lit fwd | fla fwd | SDPA fwd | fwd speedup | k3lit f+b | fla f+b | SDPA f+b "
              "| f+b speedup | k3lit f+b Mtok/s | k3lit f+b TFLOP/s | fla f+b TFLOP/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    shapes = only or (SHAPES[:2] if args.quick else SHAPES)
     speedups = []
     for B, T, H, D in shapes:
         t0 = time.time()
@@ -333,10 +337,10 @@ def main():
         speedups.append((fla_t[0] / ours_t[0], fla_t[1] / ours_t[1]))
         print(row, f"({time.time() - t0:.0f} s)", flush=True)
         torch.cuda.empty_cache()
-        write_section("KDA kernels", "\n".join(body), args.results)
+        write_section(section, "\n".join(body), args.results)
     if fla_run is not None:
         body += ["", target_status(speedups)]
-    write_section("KDA kernels", "\n".join(body), args.results)
+    write_section(section, "\n".join(body), args.results)
     print("\n".join(body))
 
 
