@@ -191,6 +191,25 @@ def test_errors():
         kda_decode_triton(q, k, v, g, beta, h0)
 
 
+@pytest.mark.parametrize(
+    "which,NH,K,expect",
+    [
+        ("fwd", 64, 128, (True, 64)),  # enough programs for 64-wide transposed blocks
+        ("fwd", 64, 256, (False, 32)),  # K = 256: the plain state (256 x 64 would not fit)
+        ("fwd", 48, 128, (False, 32)),  # 48 x 4 = 192 programs at 32-wide blocks: enough
+        ("fwd", 16, 128, (False, 16)),  # 16 x 4 = 64 programs < 132 SMs: narrower blocks
+        ("bwd", 64, 128, (False, 32)),
+        ("bwd", 96, 256, (True, 64)),
+    ],
+)
+def test_scan_plan_rule(which, NH, K, expect):
+    """The launch rule documented in kernels/kda/README.md ("Compile time / tuning") and chunk._scan_plan."""
+    from k3lit.kernels.kda import chunk
+
+    transposed, BK, BV, _ = chunk._scan_plan(which, NH, K, 128, torch.device("meta"))
+    assert (transposed, BV) == expect and BK == K
+
+
 def test_torch_compile_no_graph_break(seed):
     """fullgraph=True fails on any graph break; aot_eager also traces the backward through the fake kernels."""
     from k3lit.kernels.kda import kda_triton
