@@ -428,7 +428,11 @@ def _checkpointed(mode: str, fn: Any, *args: torch.Tensor) -> Any:
 
 def _checkpointed_segment(mode: str, fn: Any, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A whole segment under :func:`_checkpointed`; a non-reentrant checkpoint gets :class:`_Group`'d inputs
-    (a reentrant one groups them itself)."""
+    (a reentrant one groups them itself). A segment none of whose inputs needs a gradient (the first one, after
+    a frozen embedding) is recomputed non-reentrantly: a reentrant checkpoint's output would not require a
+    gradient, and the segment's parameters would silently get none."""
+    if mode == "reentrant" and not any(a.requires_grad for a in args):
+        mode = "non_reentrant"
     if mode == "reentrant" or not torch.is_grad_enabled():
         return _checkpointed(mode, fn, *args)
     return _checkpointed(mode, fn, *_Group.apply(*args))

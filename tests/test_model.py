@@ -165,6 +165,24 @@ def test_block_policy_recomputes_all_but_the_last_block(seed, residual):
     assert calls == [2] * last + [1] * (len(calls) - last), calls
 
 
+@pytest.mark.parametrize("residual", ["plain", "block_attnres"])
+def test_block_policy_with_a_frozen_embedding(seed, residual):
+    """A frozen embedding gives the first segment no input that needs a gradient; a reentrant checkpoint would
+    then drop the gradients of every parameter inside it (torch only warns). ``block`` must match ``none``."""
+    ref = build(residual=residual, attnres_block_size=2, tie_embeddings=False)
+    ckpt = build(residual=residual, attnres_block_size=2, tie_embeddings=False, activation_checkpointing="block")
+    ckpt.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 50, (2, 9))
+    grads = []
+    for model in (ref, ckpt):
+        model.embed.weight.requires_grad_(False)
+        logits, _ = model(idx)
+        logits.square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    for name, g in grads[0].items():
+        assert g is not None and grads[1][name] is not None and torch.equal(g, grads[1][name]), name
+
+
 def test_block_policy_keeps_the_aux_loss_graph(seed):
     """With the ``aux_loss`` balancer the loss is a side output of the forward, so ``block`` recomputes with the
     non-reentrant checkpoint: the router gets the aux-loss gradient, bit for bit as without recomputation."""
