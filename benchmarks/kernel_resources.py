@@ -38,8 +38,10 @@ REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 22
 META = torch.device("meta")
 
 
-def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16
-         ) -> list[aot.Launch]:
+def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16,
+         scans_only: bool = False) -> list[aot.Launch]:
+    """The chunked KDA launches at one shape (which scan kernels run depends on it: ``chunk._scan_plan``) and the
+    one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``."""
     from k3lit.kernels.kda import chunk, fused_recurrent
 
     bf = dict(device=META, dtype=dtype)
@@ -55,6 +57,8 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
                                                                *fusion)
         chunk.chunk_bwd(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, torch.empty_like(o), None, False,
                         K**-0.5, None, 32, *fusion)
+    if scans_only:
+        return [x for x in launches if x.name.startswith(("_scan", "_out"))]
     with aot.record_launches(fused_recurrent, "_fused_recurrent_fwd") as decode:
         state = torch.empty(B, H, K, V, device=META)
         one = [x[:, :1] for x in (q, k, v, g.float(), beta)]
@@ -86,14 +90,18 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at issue 3's B4·T4096·H16·K128 (plain inputs, and with the gate
-    and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the depth mix at N = 11 over
-    B2·T4096·D1024 (the 300m model of benchmarks/attnres.py); the q|k|v short convolution of that model
-    (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""
+    and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
+    shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape);
+    the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py); the q|k|v short
+    convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""
     return {
         "KDA K=V=128": _kda(4, 4096, 16, 128, 128, False, False),
         "KDA K=V=128, gate + q/k L2 norm fused": _kda(4, 4096, 16, 128, 128, True, True),
         "KDA K=V=256": _kda(1, 8192, 32, 256, 256, False, False),
         "KDA K=V=128, float32 inputs (3xTF32 products)": _kda(1, 4096, 16, 128, 128, False, False, torch.float32),
+        "KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)": _kda(1, 65536, 16, 128, 128, False, False,
+                                                                          scans_only=True),
+        "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
         "AttnRes mix N=11 D=1024": _attn_res(11, 2 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
         "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8192),

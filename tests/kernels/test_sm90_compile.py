@@ -23,10 +23,18 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(out.read_text())
     compiled = {(r["config"], r["name"]) for r in rows}
-    kda = ["_intra_fwd", "_wy_fwd", "_scan_fwd", "_out_fwd", "_scan_bwd", "_main_bwd", "_fused_recurrent_fwd"]
-    kda_configs = ("KDA K=V=128", "KDA K=V=128, gate + q/k L2 norm fused", "KDA K=V=256",
-                   "KDA K=V=128, float32 inputs (3xTF32 products)")
-    expected = {(c, n) for c in kda_configs for n in kda}
+    # the scan kernels each shape gets from chunk._scan_plan (transposed from 64 / 96 sequence-heads at K <= 128)
+    plain_fwd, transposed_fwd = ("_scan_fwd", "_out_fwd"), ("_scan_fwd_t",)
+    kda_scans = {
+        "KDA K=V=128": (*transposed_fwd, "_scan_bwd"),
+        "KDA K=V=128, gate + q/k L2 norm fused": (*transposed_fwd, "_scan_bwd"),
+        "KDA K=V=256": (*plain_fwd, "_scan_bwd"),
+        "KDA K=V=128, float32 inputs (3xTF32 products)": (*plain_fwd, "_scan_bwd"),
+    }
+    kda_other = ("_intra_fwd", "_wy_fwd", "_main_bwd", "_fused_recurrent_fwd")
+    expected = {(c, n) for c, scans in kda_scans.items() for n in (*scans, *kda_other)}
+    expected |= {("KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)", n) for n in (*plain_fwd, "_scan_bwd")}
+    expected |= {("KDA K=V=128, B1 H96 (transposed scans)", n) for n in (*transposed_fwd, "_scan_bwd_t")}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
     expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd")}
