@@ -14,8 +14,10 @@ its middle row and ``S`` the state entering the chunk (docs/MATH.md §1)::
 
 Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, L), ``_wy_fwd`` (per chunk: M, W, U), ``_scan_fwd``
 (per sequence and value block: the sequential state recurrence, stores every chunk's entering state and
-Delta), ``_out_fwd`` (per chunk: O). Backward: ``_scan_bwd`` (reverse recurrence of dS, stores dS per chunk and dDelta),
-``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). Precision: exponentials, cumulative sums, the inverse
+Delta), ``_out_fwd`` (per chunk: O); or, in place of the last two, ``_scan_fwd_t`` (the same recurrence on the
+transposed state, writing O as it goes). Backward: ``_scan_bwd`` or ``_scan_bwd_t`` (reverse recurrence of dS,
+stores dS per chunk and dDelta), ``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). :func:`_scan_plan` picks the
+layout per shape; ``TUNING`` holds the launch settings. Precision: exponentials, cumulative sums, the inverse
 and the states in float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32
 accumulation.
 
@@ -105,9 +107,9 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 
 @triton.jit
 def _intra_fwd(
-    k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
+    k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
+    L2: tl.constexpr,
 ):
     """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), L = Diag(beta) A (strictly lower), and the scan's
     operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
@@ -167,8 +169,8 @@ def _wy_fwd(
 
     M by forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower): C - 1 dependent
     steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
-    warps (no shared memory, no barriers): on the H200 this kernel plus an inverse-free :func:`_intra_fwd` took
-    0.6x the time of one kernel doing both with four warps (benchmarks/kda_breakdown.py)."""
+    warps (no shared-memory exchange and no barrier per step): on the H200 this kernel plus an inverse-free
+    :func:`_intra_fwd` took 0.6x the time of one kernel doing both with four warps (benchmarks/kda_breakdown.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     rows = tl.arange(0, C)
@@ -228,7 +230,7 @@ def _scan_fwd(
     off_s = rk[:, None] * V + cv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        S += tl.load(h0 + (i_n * H + i_h) * K * V + off_s, mask=m_kv, other=0.0).to(tl.float32)
+        S += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + off_s, mask=m_kv, other=0.0).to(tl.float32)
     for it in range(0, n_chunks):
         t0 = bos + it * C
         n_valid = tl.minimum(eos - t0, C)
@@ -247,7 +249,7 @@ def _scan_fwd(
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
         S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
     if STORE_HT:
-        tl.store(ht + (i_n * H + i_h) * K * V + off_s, S, mask=m_kv)
+        tl.store(ht + i_nh.to(tl.int64) * (K * V) + off_s, S, mask=m_kv)
 
 
 @triton.jit
@@ -276,7 +278,7 @@ def _scan_fwd_t(
     off_st = cv[:, None] + rk[None, :] * V  # element (v, k) of S^T is S[k, v]
     St = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_H0:
-        St += tl.load(h0 + (i_n * H + i_h) * K * V + off_st, mask=m_vk, other=0.0).to(tl.float32)
+        St += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + off_st, mask=m_vk, other=0.0).to(tl.float32)
     for it in range(0, n_chunks):
         t0 = bos + it * C
         n_valid = tl.minimum(eos - t0, C)
@@ -300,7 +302,7 @@ def _scan_fwd_t(
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
         St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
     if STORE_HT:
-        tl.store(ht + (i_n * H + i_h) * K * V + off_st, St, mask=m_vk)
+        tl.store(ht + i_nh.to(tl.int64) * (K * V) + off_st, St, mask=m_vk)
 
 
 @triton.jit
@@ -367,7 +369,7 @@ def _scan_bwd(
     off_s = rk[:, None] * V + cv[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
-        dS += tl.load(dht + (i_n * H + i_h) * K * V + off_s, mask=m_kv, other=0.0).to(tl.float32)
+        dS += tl.load(dht + i_nh.to(tl.int64) * (K * V) + off_s, mask=m_kv, other=0.0).to(tl.float32)
     for j in range(0, n_chunks):
         it = n_chunks - 1 - j
         t0 = bos + it * C
@@ -390,7 +392,7 @@ def _scan_bwd(
         dS = dS * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32), F32)
         dS -= _dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32), F32)
     if STORE_DH0:
-        tl.store(dh0 + (i_n * H + i_h) * K * V + off_s, dS, mask=m_kv)
+        tl.store(dh0 + i_nh.to(tl.int64) * (K * V) + off_s, dS, mask=m_kv)
 
 
 @triton.jit
@@ -419,7 +421,7 @@ def _scan_bwd_t(
     off_st = cv[:, None] + rk[None, :] * V
     dSt = tl.zeros([BV, BK], dtype=tl.float32)
     if HAS_DHT:
-        dSt += tl.load(dht + (i_n * H + i_h) * K * V + off_st, mask=m_vk, other=0.0).to(tl.float32)
+        dSt += tl.load(dht + i_nh.to(tl.int64) * (K * V) + off_st, mask=m_vk, other=0.0).to(tl.float32)
     for j in range(0, n_chunks):
         it = n_chunks - 1 - j
         t0 = bos + it * C
@@ -442,7 +444,7 @@ def _scan_bwd_t(
         dSt = dSt * tl.exp(g_last)[None, :] + _dot(b_dot, _op(b_qg, F32), F32)
         dSt -= _dot(_op(b_ddt, F32), _op(b_w, F32), F32)
     if STORE_DH0:
-        tl.store(dh0 + (i_n * H + i_h) * K * V + off_st, dSt, mask=m_vk)
+        tl.store(dh0 + i_nh.to(tl.int64) * (K * V) + off_st, dSt, mask=m_vk)
 
 
 @triton.jit
@@ -524,7 +526,7 @@ def _main_bwd(
             dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         tl.store(s_dqg + offk, dQg, mask=mk)
         tl.store(s_dkd + offk, dKd, mask=mk)
-        tl.store(dgs + (i_c * H + i_h) * K + rk, dGs, mask=m_k)
+        tl.store(dgs + (i_c.to(tl.int64) * H + i_h) * K + rk, dGs, mask=m_k)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
         if L2:
             b_k *= r_k[:, None]
@@ -554,7 +556,7 @@ def _main_bwd(
         dQg = tl.load(s_dqg + offk, mask=mk, other=0.0)
         dKd = tl.load(s_dkd + offk, mask=mk, other=0.0)
         dMW = tl.load(s_dw + offk, mask=mk, other=0.0)
-        dGs = tl.load(dgs + (i_c * H + i_h) * K + rk, mask=m_k, other=0.0)
+        dGs = tl.load(dgs + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=m_k, other=0.0)
         b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
         if L2:
@@ -636,10 +638,17 @@ def chunk_meta(
     """Packed-layout chunk metadata.
 
     Returns ``(cu [N + 1] int64, chunk_idx [NC, 2] int32, chunk_off [N + 1] int32, NC)``. For a dense batch
-    (``cu_seqlens`` None) it is built without reading device memory; for a packed one it reads the lengths.
+    (``cu_seqlens`` None) it is built without reading device memory and cached per (B, T, C, device, stream):
+    the tensors are shared by every call with that key, so callers must only read them. During CUDA graph
+    capture it is built afresh (a table made inside a capture holds its values only when the graph replays);
+    for a packed batch it reads the lengths.
     """
     if cu_seqlens is None:
-        return _dense_meta(B, T, C, device)
+        if device.type != "cuda":
+            return _dense_meta(B, T, C, device, 0)
+        if torch.cuda.is_current_stream_capturing():
+            return _dense_meta.__wrapped__(B, T, C, device, 0)
+        return _dense_meta(B, T, C, device, torch.cuda.current_stream(device).cuda_stream)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     n_chunks = (cu[1:] - cu[:-1] + C - 1) // C
     off = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)]).to(torch.int32)
@@ -651,9 +660,12 @@ def chunk_meta(
 
 
 @functools.lru_cache(maxsize=64)
-def _dense_meta(B: int, T: int, C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """:func:`chunk_meta` of a dense batch, built once per (B, T, C, device): every KDA call of a training step
-    (forward, backward, recomputation) reuses it instead of launching ~10 small kernels. The kernels only read it."""
+def _dense_meta(B: int, T: int, C: int, device: torch.device, stream: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_meta` of a dense batch, built once per (B, T, C, device, stream): every KDA call of a training
+    step (forward, backward, recomputation) reuses it instead of launching ~10 small kernels. The kernels only read
+    it. ``stream`` (the CUDA stream's handle, 0 elsewhere) is only part of the key: a kernel on another stream
+    gets its own copy instead of one whose building it is not ordered after."""
     n_per = triton.cdiv(T, C)
     cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
     seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n_per)
@@ -692,6 +704,8 @@ TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 132 (an H100/H200) for any other device (the interpreter,
+    ``meta`` tensors in benchmarks/kernel_resources.py), so :func:`_scan_plan` picks what it would on the H200."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -754,9 +768,8 @@ def chunk_fwd(
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
-    _intra_fwd[(NC, H)](k, v, q, g, beta, Gc, Aq, Mi, W, U, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0,
-                        rnq, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
-                        num_warps=TUNING["intra_warps"])
+    _intra_fwd[(NC, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0, rnq, rnk,
+                        H=H, K=K, C=C, BK=BKi, F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["intra_warps"])
     _wy_fwd[(NC, H)](k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min if gate else 0.0, rnk, H=H, K=K, V=V, C=C,
                      BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)

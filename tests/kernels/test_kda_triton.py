@@ -414,6 +414,29 @@ def test_gpu_fused_gate_and_l2norm(seed, K):
     assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_dense_metadata_first_built_in_a_graph_capture(seed):
+    """Chunk metadata made while a CUDA graph is captured holds its values only when the graph replays; an eager
+    call of the same shape after the capture must not be handed those tensors (it gets ones built eagerly)."""
+    from k3lit.kernels.kda import chunk
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    B, T, C = 3, 203, 32  # a shape no other test uses: the capture builds the first copy
+    chunk._dense_meta.cache_clear()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chunk.chunk_meta(None, B, T, C, dev)
+    eager = chunk.chunk_meta(None, B, T, C, dev)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(captured[:3], eager[:3]))
+    n_per = -(-T // C)
+    assert torch.equal(eager[0].cpu(), torch.arange(B + 1) * T) and eager[3] == B * n_per
+    assert torch.equal(eager[1].cpu(), torch.stack([torch.arange(B).repeat_interleave(n_per),
+                                                    torch.arange(n_per).repeat(B)], 1).int())
+    assert chunk.chunk_meta(None, B, T, C, dev)[1] is eager[1]  # cached outside a capture
+
+
 def test_benchmark_input_variants_agree(seed):
     """benchmarks/kda.py --fused-inputs times these callables; on the same raw inputs they must compute one thing."""
     from benchmarks.kda import raw_inputs, variants
