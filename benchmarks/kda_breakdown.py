@@ -122,13 +122,16 @@ def sweep(shapes, report: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", type=shape, default=[(1, 65536, 16, 128), (8, 2048, 16, 128)])
+    ap.add_argument("--shapes", nargs="+", type=shape, default=[(1, 65536, 16, 128), (8, 2048, 16, 128)],
+                    metavar="BxTxHxD", help="shapes, K = V = D (default: 1x65536x16x128 8x2048x16x128)")
     ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
     ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
-    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown (with --sweep)")
     ap.add_argument("--json", help="write every number here")
-    ap.add_argument("--fla-compile-worker", metavar="I/P")
+    ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kda_breakdown.py times CUDA kernels: it needs a GPU")
     if a.fla_compile_worker:
         from benchmarks.triton_warm import compile_only
 
