@@ -209,18 +209,42 @@ def _wy_fwd(
 
 
 @triton.jit
+def _scan_seq(cu, coff, H: tl.constexpr, C: tl.constexpr):
+    """A scan program's sequence and head: ``(i_v, i_nh, i_h, bos, eos, c0, n_chunks)``, with the sequence's
+    first and end token and its first global chunk as int64."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(coff + i_n).to(tl.int64)
+    return i_v, i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, C)
+
+
+@triton.jit
+def _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                C: tl.constexpr):
+    """Chunk ``it`` of a scan's sequence: ``(t0, n_valid, m_t, tok, offk, mk, offv, mv)``, its first token, valid
+    rows and their mask, token indices, and the offsets and masks of its ``[C, BK]`` key and ``[C, BV]`` value
+    tiles."""
+    t0 = bos + it * C
+    n_valid = tl.minimum(eos - t0, C)
+    m_t = rows < n_valid
+    tok = t0 + rows
+    offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
+    mk = m_t[:, None] & m_k[None, :]
+    offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
+    mv = m_t[:, None] & m_v[None, :]
+    return t0, n_valid, m_t, tok, offk, mk, offv, mv
+
+
+@triton.jit
 def _scan_fwd(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
 ):
     """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, C)
+    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
     rk = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
@@ -232,15 +256,9 @@ def _scan_fwd(
     if HAS_H0:
         S += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + off_s, mask=m_kv, other=0.0).to(tl.float32)
     for it in range(0, n_chunks):
-        t0 = bos + it * C
-        n_valid = tl.minimum(eos - t0, C)
-        m_t = rows < n_valid
-        tok = t0 + rows
+        t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
+                                                                C)
         tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
-        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        mk = m_t[:, None] & m_k[None, :]
-        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        mv = m_t[:, None] & m_v[None, :]
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_u = tl.load(U + offv, mask=mv, other=0.0).to(tl.float32)
         b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
@@ -263,12 +281,7 @@ def _scan_fwd_t(
     which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). It also
     writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in place of
     :func:`_out_fwd`."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, C)
+    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
     rk = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
@@ -280,15 +293,9 @@ def _scan_fwd_t(
     if HAS_H0:
         St += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + off_st, mask=m_vk, other=0.0).to(tl.float32)
     for it in range(0, n_chunks):
-        t0 = bos + it * C
-        n_valid = tl.minimum(eos - t0, C)
-        m_t = rows < n_valid
-        tok = t0 + rows
+        t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
+                                                                C)
         tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(h.dtype.element_ty), mask=m_vk)
-        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        mk = m_t[:, None] & m_k[None, :]
-        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        mv = m_t[:, None] & m_v[None, :]
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_ut = tl.trans(tl.load(U + offv, mask=mv, other=0.0).to(tl.float32))
         b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
@@ -354,12 +361,7 @@ def _scan_bwd(
         dDelta = Aq^T dO + Kd dS
         dS    <- Diag(exp(G_last)) dS + scale (Q⊙exp(G))^T dO - W^T dDelta
     """
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, C)
+    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
     rk = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
@@ -372,15 +374,9 @@ def _scan_bwd(
         dS += tl.load(dht + i_nh.to(tl.int64) * (K * V) + off_s, mask=m_kv, other=0.0).to(tl.float32)
     for j in range(0, n_chunks):
         it = n_chunks - 1 - j
-        t0 = bos + it * C
-        n_valid = tl.minimum(eos - t0, C)
-        m_t = rows < n_valid
-        tok = t0 + rows
+        t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
+                                                                C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_kv)
-        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        mk = m_t[:, None] & m_k[None, :]
-        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        mv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + offv, mask=mv, other=0.0)
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
@@ -406,12 +402,7 @@ def _scan_bwd_t(
         dDelta^T = dO^T Aq + dS^T Kd^T
         dS^T    <- dS^T Diag(exp(G_last)) + dO^T (scale Q⊙exp(G)) - dDelta^T W
     """
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    n_chunks = tl.cdiv(eos - bos, C)
+    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
     rk = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
@@ -424,15 +415,9 @@ def _scan_bwd_t(
         dSt += tl.load(dht + i_nh.to(tl.int64) * (K * V) + off_st, mask=m_vk, other=0.0).to(tl.float32)
     for j in range(0, n_chunks):
         it = n_chunks - 1 - j
-        t0 = bos + it * C
-        n_valid = tl.minimum(eos - t0, C)
-        m_t = rows < n_valid
-        tok = t0 + rows
+        t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
+                                                                C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_st, dSt.to(dh.dtype.element_ty), mask=m_vk)
-        offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
-        mk = m_t[:, None] & m_k[None, :]
-        offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
-        mv = m_t[:, None] & m_v[None, :]
         b_dot = _op(tl.trans(tl.load(do + offv, mask=mv, other=0.0)), F32)  # dO^T [BV, C]
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
