@@ -10,10 +10,12 @@ lease without changing what fla chooses: ``--fla-compile-worker I/P`` processes 
 with the compiled candidates in parallel (benchmarks/triton_warm.py; they time nothing), then the timing
 process autotunes fla as usual (every candidate timed by fla's own autotuner on the idle GPU) and, fla
 passing ``cache_results``, stores its choices in ``TRITON_CACHE_DIR``. Carrying that folder to the next run
-on the same software skips the autotuning there. ::
+on the same software skips the autotuning there. Each worker also runs fla once per shape on the GPU: 12 of
+them ran a 140 GB H200 out of memory at the D = 256 shape (its candidates were then compiled, slowly, by the
+timing process); 6 fit. ::
 
     export TRITON_CACHE_DIR=/tmp/tc
-    for i in $(seq 0 9); do python benchmarks/kda.py --fla-compile-worker $i/10 & done; wait
+    for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker $i/6 & done; wait
     python benchmarks/kda.py
 
 FLOP model (the same for both KDA implementations, so TFLOP/s compare like with like; C fixed at fla's 64
