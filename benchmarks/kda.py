@@ -12,7 +12,7 @@ process autotunes fla as usual (every candidate timed by fla's own autotuner on 
 passing ``cache_results``, stores its choices in ``TRITON_CACHE_DIR``. Carrying that folder to the next run
 on the same software skips the autotuning there. Each worker also runs fla once per shape on the GPU: 12 of
 them ran a 140 GB H200 out of memory at the D = 256 shape (its candidates were then compiled, slowly, by the
-timing process); 6 fit. ::
+timing process); 6 workers ran that shape without trouble. ::
 
     export TRITON_CACHE_DIR=/tmp/tc
     for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker $i/6 & done; wait
