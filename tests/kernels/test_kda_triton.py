@@ -379,6 +379,14 @@ def test_gpu_matches_reference(seed, scan_layout, B, T, H, K, V, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_float32_inputs_reach_float32_accuracy(seed, scan_layout):
+    """float32 inputs multiply in 3xTF32 (chunk._dot), documented as float32 accuracy: the interpreter tests'
+    float32 tolerance must hold on the GPU too (single TF32 products would miss it by ~100x)."""
+    assert_errors(run_both(make_inputs(1, 300, 2, 128, 128, dtype=torch.float32, device="cuda")), TOL_F32)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("gate", ["min", "zero"])
 def test_gpu_gate_edges(seed, gate):
     assert_errors(run_both(make_inputs(1, 256, 2, 128, 128, dtype=torch.bfloat16, gate=gate, device="cuda")),
