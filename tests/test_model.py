@@ -125,28 +125,41 @@ def test_missing_vocab_raises():
         K3LM(dataclasses.replace(TINY, vocab_size=None))
 
 
+def twins(policy: str, **kw) -> tuple[K3LM, K3LM]:
+    """``build(**kw)`` and a model with the same weights under checkpoint ``policy``."""
+    ref = build(**kw)
+    ckpt = build(**kw, activation_checkpointing=policy)
+    ckpt.load_state_dict(ref.state_dict())
+    return ref, ckpt
+
+
+def lm_loss(model: K3LM, idx: torch.Tensor) -> torch.Tensor:
+    logits, _ = model(idx)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+
+
+def assert_equal_grads(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, g in a.items():
+        assert g is not None and b[name] is not None and torch.equal(g, b[name]), name
+
+
 @pytest.mark.parametrize("policy", ["layer", "block", "selective"])
 @pytest.mark.parametrize(
     "residual,block", [("plain", 3), ("block_attnres", 3), ("block_attnres", 2), ("full_attnres", 3)]
 )
 def test_checkpointing_is_bit_identical(seed, policy, residual, block):
     """Every recomputation policy gives the same loss and gradients, bit for bit, in float64 on CPU."""
-    ref = build(residual=residual, attnres_block_size=block)
-    ckpt = build(residual=residual, attnres_block_size=block, activation_checkpointing=policy)
-    ckpt.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 50, (2, 37))
     results = []
-    for model in (ref, ckpt):
-        logits, _ = model(idx)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+    for model in twins(policy, residual=residual, attnres_block_size=block):
+        loss = lm_loss(model, idx)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
         counts = [m._pending_scores for m in model.moe_layers()]
         assert all(sum(s.shape[0] for s in c) == idx.numel() for c in counts), "tokens counted twice"
     assert torch.equal(results[0][0], results[1][0])
-    assert results[0][1].keys() == results[1][1].keys()
-    for name, grad in results[0][1].items():
-        assert torch.equal(grad, results[1][1][name]), name
+    assert_equal_grads(results[0][1], results[1][1])
 
 
 @pytest.mark.parametrize("residual", ["plain", "block_attnres"])
@@ -169,36 +182,25 @@ def test_block_policy_recomputes_all_but_the_last_block(seed, residual):
 def test_block_policy_with_a_frozen_embedding(seed, residual):
     """A frozen embedding gives the first segment no input that needs a gradient; a reentrant checkpoint would
     then drop the gradients of every parameter inside it (torch only warns). ``block`` must match ``none``."""
-    ref = build(residual=residual, attnres_block_size=2, tie_embeddings=False)
-    ckpt = build(residual=residual, attnres_block_size=2, tie_embeddings=False, activation_checkpointing="block")
-    ckpt.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 50, (2, 9))
     grads = []
-    for model in (ref, ckpt):
+    for model in twins("block", residual=residual, attnres_block_size=2, tie_embeddings=False):
         model.embed.weight.requires_grad_(False)
         logits, _ = model(idx)
         logits.square().sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    for name, g in grads[0].items():
-        assert g is not None and grads[1][name] is not None and torch.equal(g, grads[1][name]), name
+    assert_equal_grads(grads[0], grads[1])
 
 
 def test_block_policy_keeps_the_aux_loss_graph(seed):
     """With the ``aux_loss`` balancer the loss is a side output of the forward, so ``block`` recomputes with the
     non-reentrant checkpoint: the router gets the aux-loss gradient, bit for bit as without recomputation."""
-    ref = build(balancer="aux_loss", attnres_block_size=2)
-    ckpt = build(balancer="aux_loss", attnres_block_size=2, activation_checkpointing="block")
-    ckpt.load_state_dict(ref.state_dict())
     idx = torch.randint(0, 50, (2, 13))
     grads = []
-    for model in (ref, ckpt):
-        logits, _ = model(idx)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
-        (loss + model.aux_loss()).backward()
+    for model in twins("block", balancer="aux_loss", attnres_block_size=2):
+        (lm_loss(model, idx) + model.aux_loss()).backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name, g in grads[0].items():
-        assert torch.equal(g, grads[1][name]), name
+    assert_equal_grads(grads[0], grads[1])
 
 
 @pytest.mark.parametrize("kw", [{}, {"residual": "plain", "tie_embeddings": False, "n_shared_experts": 1}],
