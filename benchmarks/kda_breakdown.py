@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kda import bench, inputs, load_fla, make_fla, ours  # noqa: E402
 from k3lit.kernels.kda import chunk  # noqa: E402
+from k3lit.testing import rel_rms  # noqa: E402
 
 #: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
 SWEEP = {
@@ -100,8 +101,8 @@ def sweep(shapes, report: dict) -> None:
                 grads = torch.autograd.grad(o, xs, do)
                 got = [o, *grads]
                 if ref is None:
-                    ref = [t.float() for t in got]
-                err = max(((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+                    ref = got
+                err = max(rel_rms(a, b) for a, b in zip(got, ref))
                 with torch.no_grad():
                     f = bench(lambda xs=xs: ours(*xs))
                 fb = bench(lambda xs=xs, do=do: ours(*xs)[0].backward(do))

@@ -160,12 +160,12 @@ def _intra_fwd(
 
 @triton.jit
 def _wy_fwd(
-    k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min, rnk,
+    k, v, beta, Gc, Mi, W, U, cu, cidx, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
+    F32: tl.constexpr, L2: tl.constexpr,
 ):
-    """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi``: M = (I + L)^-1
-    (stored over L), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
+    """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi`` and the G it stored in
+    ``Gc``: M = (I + L)^-1 (stored over L), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
 
     M by forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower): C - 1 dependent
     steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
@@ -193,7 +193,7 @@ def _wy_fwd(
         cols = kb + tl.arange(0, BK)
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
+        b_G = tl.load(Gc + off, mask=msk, other=0.0)
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
         if L2:
             b_k *= r_k[:, None]
@@ -755,8 +755,8 @@ def chunk_fwd(
     rnq, rnk = Rn if qk_l2norm else (None, None)
     _intra_fwd[(NC, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0, rnq, rnk,
                         H=H, K=K, C=C, BK=BKi, F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["intra_warps"])
-    _wy_fwd[(NC, H)](k, v, g, beta, Mi, W, U, cu, cidx, bias, g_min if gate else 0.0, rnk, H=H, K=K, V=V, C=C,
-                     BK=BKi, BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
+    _wy_fwd[(NC, H)](k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)),
+                     F32=F32, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
     scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
