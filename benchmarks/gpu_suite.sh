@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements behind benchmarks/RESULTS.md in one run (about 9 minutes on one H200), in the order that
+# The GPU measurements behind benchmarks/RESULTS.md in one run (its commands took about 9 minutes
+# on one H200, run one by one; the script as a whole has not run yet), in the order that
 # keeps the GPU free for every timing: the GPU tests and fla's compile workers first (they share the GPU, but
 # time nothing), then each benchmark alone. Each benchmark writes its own RESULTS.md section; logs go to $LOGS.
 #
