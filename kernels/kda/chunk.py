@@ -209,15 +209,19 @@ def _wy_fwd(
 
 
 @triton.jit
-def _scan_seq(cu, coff, H: tl.constexpr, C: tl.constexpr):
-    """A scan program's sequence and head: ``(i_v, i_nh, i_h, bos, eos, c0, n_chunks)``, with the sequence's
-    first and end token and its first global chunk as int64."""
+def _scan_seq(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr):
+    """A scan program's sequence, head and tiles: ``(i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v)``
+    with the sequence's first and end token and its first global chunk as int64, the key rows ``rk [BK]``, this
+    program's value columns ``cv [BV]``, the chunk rows ``rows [C]`` and the key and value masks."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // H
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     c0 = tl.load(coff + i_n).to(tl.int64)
-    return i_v, i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, C)
+    rk = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    return i_nh, i_nh % H, bos, eos, c0, tl.cdiv(eos - bos, C), rk, cv, tl.arange(0, C), rk < K, cv < V
 
 
 @triton.jit
@@ -244,12 +248,7 @@ def _scan_fwd(
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
 ):
     """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n)."""
-    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
-    rk = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    m_k = rk < K
-    m_v = cv < V
+    i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     m_kv = m_k[:, None] & m_v[None, :]
     off_s = rk[:, None] * V + cv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
@@ -281,12 +280,7 @@ def _scan_fwd_t(
     which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). It also
     writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in place of
     :func:`_out_fwd`."""
-    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
-    rk = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    m_k = rk < K
-    m_v = cv < V
+    i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     m_vk = m_v[:, None] & m_k[None, :]
     off_st = cv[:, None] + rk[None, :] * V  # element (v, k) of S^T is S[k, v]
     St = tl.zeros([BV, BK], dtype=tl.float32)
@@ -361,12 +355,7 @@ def _scan_bwd(
         dDelta = Aq^T dO + Kd dS
         dS    <- Diag(exp(G_last)) dS + scale (Q⊙exp(G))^T dO - W^T dDelta
     """
-    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
-    rk = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    m_k = rk < K
-    m_v = cv < V
+    i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     m_kv = m_k[:, None] & m_v[None, :]
     off_s = rk[:, None] * V + cv[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
@@ -402,12 +391,7 @@ def _scan_bwd_t(
         dDelta^T = dO^T Aq + dS^T Kd^T
         dS^T    <- dS^T Diag(exp(G_last)) + dO^T (scale Q⊙exp(G)) - dDelta^T W
     """
-    i_v, i_nh, i_h, bos, eos, c0, n_chunks = _scan_seq(cu, coff, H, C)
-    rk = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    rows = tl.arange(0, C)
-    m_k = rk < K
-    m_v = cv < V
+    i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     m_vk = m_v[:, None] & m_k[None, :]
     off_st = cv[:, None] + rk[None, :] * V
     dSt = tl.zeros([BV, BK], dtype=tl.float32)
