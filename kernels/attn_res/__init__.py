@@ -49,6 +49,8 @@ def _(sources, query, src_stats, row_stats, grad):
 def _setup_context(ctx, inputs, output):
     sources, query, _ = inputs
     _, src_stats, row_stats = output
+    ctx.mark_non_differentiable(src_stats, row_stats)  # saved only: no zero gradient filled for them
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(query, src_stats, row_stats, *sources)
 
 

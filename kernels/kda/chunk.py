@@ -666,9 +666,11 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: (:func:`_scan_fwd` + :func:`_out_fwd`, :func:`_scan_bwd`), ``"transposed"`` as ``[BV, BK]`` (:func:`_scan_fwd_t`,
 #: which writes the output itself, :func:`_scan_bwd_t`), ``"auto"`` picks by :func:`_scan_plan`; ``fwd_bv`` /
 #: ``bwd_bv``: value columns per scan program (None: by :func:`_scan_plan`); ``*_warps``: warps per program
-#: (``scan_warps`` None: 4 for K <= 128, else 8). ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
+#: (``scan_warps`` None: 4 for K <= 128, else 8); ``main_bwd_bv``: value block of :func:`_main_bwd` (None: 64, or
+#: 32 for V > 128, where 32 took 14.43 against 14.81 ms fwd+bwd at B8 T2048 H32 D256 on the H200).
+#: ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
-                    wy_warps=1, out_warps=4, main_bwd_warps=4)
+                    wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None)
 
 
 @functools.cache
@@ -802,6 +804,6 @@ def chunk_bwd(
     _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2], s_dq,
                        s_dk, dgs, cu, cidx, scale, g if gate else None, _bias(gate_bias, gate, H * K, q.device),
                        g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
-                       BV=min(64, _pow2(V)), F32=F32, GATE=gate, L2=qk_l2norm,
-                       num_warps=TUNING["main_bwd_warps"])
+                       BV=min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V)), F32=F32, GATE=gate,
+                       L2=qk_l2norm, num_warps=TUNING["main_bwd_warps"])
     return dq, dk, dv, dg, dbeta, dh0

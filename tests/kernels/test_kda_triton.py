@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3lit.ops.kda import kda, kda_reference
 from k3lit.testing import rel_rms
@@ -227,6 +228,37 @@ def test_torch_compile_no_graph_break(seed):
     (o_r.square().sum() + ht_r.sum()).backward()
     for name, a, b in zip(NAMES, (q, k, v, g, beta, h0), ref):
         assert rel_rms(a.grad, b.grad) < TOL_F32, name
+
+
+class _ZeroFills(TorchDispatchMode):
+    """Records every zero-filling op dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("zeros", "zeros_like", "new_zeros", "zero_") or (name == "fill_" and args[1] == 0):
+            self.calls.append((name, tuple(out.shape)))
+        return out
+
+
+@pytest.mark.parametrize("used", ["o", "ht"])
+def test_backward_fills_no_zero_gradients(seed, used):
+    """The outputs saved only for the backward (Gc, h, W, ...) and an unused output get no zero gradient: autograd
+    fills one per output by default, gigabytes a step at training shapes. Only the unused o (when only the final
+    state is used) is materialised, by the backward itself."""
+    from k3lit.kernels.kda import kda_triton
+
+    q, k, v, g, beta, h0 = (x.requires_grad_() for x in make_inputs(1, 40, 2, 16, 8))
+    o, ht = kda_triton(q, k, v, g, beta, None, h0, True)
+    out = o if used == "o" else ht
+    with _ZeroFills() as mode:
+        out.backward(torch.randn_like(out))
+    assert mode.calls == ([] if used == "o" else [("zeros_like", tuple(o.shape))])
+    assert all(x.grad is not None for x in (q, k, v, g, beta, h0))
 
 
 # ------------------------------------------------------------------------------------------------------------
