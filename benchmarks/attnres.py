@@ -63,7 +63,9 @@ def measure(size: str, residual: str, block: int, policy: str, repeats: int, com
     spec = dict(SIZES[size], **({"batch": batch} if batch else {}))
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
-    cfg = dataclasses.replace(spec["cfg"], residual=residual, attnres_block_size=block, activation_checkpointing=policy)
+    name, _, n_ckpt = policy.partition(":")  # "block:N": recompute only the first N segments
+    cfg = dataclasses.replace(spec["cfg"], residual=residual, attnres_block_size=block, activation_checkpointing=name,
+                              checkpoint_blocks=int(n_ckpt) if n_ckpt else None)
     model = build_model(cfg, dev, compile_)
     n_params = sum(p.numel() for p in model.parameters())
     idx = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"] + 1), device=dev)
@@ -277,7 +279,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="batch size (speed: the size's own; mix: 2)")
     parser.add_argument("--compile", action="store_true", help="speed: torch.compile every sublayer")
     parser.add_argument("--residuals", nargs="+", default=[r for r, _ in RESIDUALS], help="speed: which rules")
-    parser.add_argument("--policies", nargs="+", default=POLICIES, help="speed: which checkpoint policies")
+    parser.add_argument("--policies", nargs="+", default=POLICIES,
+                        help="speed: which checkpoint policies (block:N = block with checkpoint_blocks=N)")
     parser.add_argument("--seq", type=int, default=4096, help="mix: sequence length")
     parser.add_argument("--dim", type=int, default=1024, help="mix: model width D")
     parser.add_argument("--sources", type=int, nargs="+", default=[2, 6, 11], help="mix: source counts N")

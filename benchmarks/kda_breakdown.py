@@ -39,6 +39,7 @@ SWEEP = {
     "intra 1 warp": dict(intra_warps=1),
     "intra 4 warps": dict(intra_warps=4),
     "main_bwd bv32": dict(main_bwd_bv=32),
+    "main_bwd bv64": dict(main_bwd_bv=64),
     "main_bwd 8 warps": dict(main_bwd_warps=8),
     "scan 4 warps": dict(scan_warps=4),
     "scan 8 warps": dict(scan_warps=8),

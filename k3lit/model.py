@@ -76,6 +76,11 @@ class ModelConfig:
             elementwise work). ``block`` recomputes with the reentrant checkpoint (its forward runs without
             autograd bookkeeping: much less host time than the non-reentrant one) unless an MoE uses the
             ``aux_loss`` balancer, whose loss needs the forward's graph.
+        checkpoint_blocks: with ``block``, recompute only the first N segments and keep the activations of the
+            rest (as Megatron-LM's ``recompute_num_layers``): each kept segment adds one segment's activations to
+            the memory and saves its recomputation (about F / (F + B) of its share of the step). None: every
+            segment but the last. Must lie in ``[0, segments - 1]``, segments = ceil(2 n_layers /
+            attnres_block_size).
         tie_embeddings: share the embedding and LM-head weights.
         norm_eps: RMSNorm epsilon.
         init_std: standard deviation of the normal weight init.
@@ -102,6 +107,7 @@ class ModelConfig:
     residual: str = "block_attnres"
     attnres_block_size: int = 4
     activation_checkpointing: str = "none"
+    checkpoint_blocks: int | None = None
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -146,6 +152,13 @@ class ModelConfig:
             raise bad("attnres_block_size", "must count at least 1 sublayer")
         if self.activation_checkpointing not in CHECKPOINTING:
             raise bad("activation_checkpointing", f"choose one of {CHECKPOINTING}")
+        if self.checkpoint_blocks is not None:
+            if self.activation_checkpointing != "block":
+                raise bad("checkpoint_blocks", "only applies to activation_checkpointing=block (or set it to null)")
+            segments = -(-2 * self.n_layers // self.attnres_block_size)
+            if not 0 <= self.checkpoint_blocks <= segments - 1:
+                raise bad("checkpoint_blocks", f"must lie in [0, {segments - 1}]: {segments} segments of "
+                          f"attnres_block_size={self.attnres_block_size} sublayers, the last is never recomputed")
 
     def mixer_type(self, layer: int) -> str:
         """``K`` or ``A`` for layer ``layer`` (the pattern repeats)."""
@@ -316,7 +329,8 @@ class K3LM(nn.Module):
         step = self.config.attnres_block_size
         segments = [list(self.sublayers)[i : i + step] for i in range(0, len(self.sublayers), step)]
         # the last segment is never recomputed: its activations are the first that backward needs
-        runs = [partial(_checkpointed_segment, mode) if policy == "block" and j < len(segments) - 1 else _grouped
+        n_ckpt = len(segments) - 1 if self.config.checkpoint_blocks is None else self.config.checkpoint_blocks
+        runs = [partial(_checkpointed_segment, mode) if policy == "block" and j < n_ckpt else _grouped
                 for j in range(len(segments))]
         if self.config.residual == "plain":
             h = x

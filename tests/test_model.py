@@ -120,6 +120,13 @@ def test_bad_config_names_field(field, value, match):
         dataclasses.replace(TINY, **{field: value})
 
 
+@pytest.mark.parametrize("policy,n,match", [("layer", 1, "only applies"), ("block", -1, "must lie in"),
+                                            ("block", 99, r"must lie in \[0, \d+\]")])
+def test_bad_checkpoint_blocks(policy, n, match):
+    with pytest.raises(ValueError, match=f"ModelConfig.checkpoint_blocks={n}: {match}"):
+        dataclasses.replace(TINY, activation_checkpointing=policy, checkpoint_blocks=n)
+
+
 def test_missing_vocab_raises():
     with pytest.raises(ValueError, match="vocab_size is None"):
         K3LM(dataclasses.replace(TINY, vocab_size=None))
@@ -163,11 +170,13 @@ def test_checkpointing_is_bit_identical(seed, policy, residual, block):
 
 
 @pytest.mark.parametrize("residual", ["plain", "block_attnres"])
-def test_block_policy_recomputes_all_but_the_last_block(seed, residual):
-    """``block``: every segment but the last runs its forward twice (once more inside backward, through the
-    reentrant checkpoint, whose forward builds no graph); the last one, whose activations backward needs
-    first, runs once."""
-    model = build(residual=residual, attnres_block_size=3, activation_checkpointing="block")
+@pytest.mark.parametrize("checkpoint_blocks", [None, 0, 1])
+def test_block_policy_recomputes_the_first_blocks(seed, residual, checkpoint_blocks):
+    """``block``: the recomputed segments run their forward twice (once more inside backward, through the
+    reentrant checkpoint, whose forward builds no graph), the others once. By default every segment but the
+    last, whose activations backward needs first; ``checkpoint_blocks=N`` the first N."""
+    model = build(residual=residual, attnres_block_size=3, activation_checkpointing="block",
+                  checkpoint_blocks=checkpoint_blocks)
     calls = [0] * len(model.sublayers)
     for i, sub in enumerate(model.sublayers):
         sub.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -175,7 +184,24 @@ def test_block_policy_recomputes_all_but_the_last_block(seed, residual):
     assert calls == [1] * len(calls)
     logits.square().sum().backward()
     last = len(calls) - (len(calls) - 1) % 3 - 1  # first sublayer of the last segment of 3
-    assert calls == [2] * last + [1] * (len(calls) - last), calls
+    recomputed = last if checkpoint_blocks is None else 3 * checkpoint_blocks
+    assert calls == [2] * recomputed + [1] * (len(calls) - recomputed), calls
+
+
+@pytest.mark.parametrize("residual", ["plain", "block_attnres"])
+def test_block_policy_with_kept_blocks_is_bit_identical(seed, residual):
+    """Recomputing only the first segment gives the loss and gradients of ``none``, bit for bit (float64)."""
+    idx = torch.randint(0, 50, (2, 11))
+    results = []
+    ref = build(residual=residual, attnres_block_size=2)
+    ckpt = build(residual=residual, attnres_block_size=2, activation_checkpointing="block", checkpoint_blocks=1)
+    ckpt.load_state_dict(ref.state_dict())
+    for model in (ref, ckpt):
+        loss = lm_loss(model, idx)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert_equal_grads(results[0][1], results[1][1])
 
 
 @pytest.mark.parametrize("residual", ["plain", "block_attnres"])
