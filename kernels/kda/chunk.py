@@ -162,10 +162,11 @@ def _intra_fwd(
 def _wy_fwd(
     k, v, beta, Gc, Mi, W, U, cu, cidx, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, L2: tl.constexpr,
+    F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr,
 ):
     """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi`` and the G it stored in
-    ``Gc``: M = (I + L)^-1 (stored over L), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
+    ``Gc``: M = (I + L)^-1 (stored over L when ``SAVE``, for the backward), W = M Diag(beta) (K⊙exp(G)) and
+    U = M Diag(beta) V.
 
     M by forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower): C - 1 dependent
     steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
@@ -184,8 +185,9 @@ def _wy_fwd(
         l_i = _row(L, rows, i)
         x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
         X = tl.where((rows == i)[:, None], x_i[None, :], X)
-    tl.debug_barrier()  # every thread has read L before M overwrites it
-    tl.store(Mi + offc, X, mask=m_t[:, None])
+    if SAVE:
+        tl.debug_barrier()  # every thread has read L before M overwrites it
+        tl.store(Mi + offc, X, mask=m_t[:, None])
     Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
     if L2:
         r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
@@ -273,13 +275,13 @@ def _scan_fwd(
 def _scan_fwd_t(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, SAVE: tl.constexpr,
 ):
     """:func:`_scan_fwd` with the state held transposed, ``S^T [BV, BK]``: Delta^T = U^T - S^T W^T and
     S^T <- S^T Diag(exp(G_last)) + Delta^T Kd. The state and Delta are then the left operands of both products,
     which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). It also
     writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in place of
-    :func:`_out_fwd`."""
+    :func:`_out_fwd`, so it stores the entering states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     m_vk = m_v[:, None] & m_k[None, :]
     off_st = cv[:, None] + rk[None, :] * V  # element (v, k) of S^T is S[k, v]
@@ -289,11 +291,13 @@ def _scan_fwd_t(
     for it in range(0, n_chunks):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(h.dtype.element_ty), mask=m_vk)
+        if SAVE:
+            tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(h.dtype.element_ty), mask=m_vk)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_ut = tl.trans(tl.load(U + offv, mask=mv, other=0.0).to(tl.float32))
         b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
-        tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
+        if SAVE:
+            tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
@@ -707,13 +711,15 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device) -> tup
 def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
-    gate_bias: torch.Tensor | None = None, g_min: float | None = None, qk_l2norm: bool = False,
+    gate_bias: torch.Tensor | None = None, g_min: float | None = None, qk_l2norm: bool = False, save: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``.
 
     ``g_min`` given: ``g`` is the gate pre-activation and the kernel forms ``g_min * sigmoid(g + gate_bias)``
     (``gate_bias`` ``[H * K]`` float32 or None). ``qk_l2norm``: q and k are L2-normalised in the kernel and
-    ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty)."""
+    ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty). ``save=False`` (no backward
+    will follow): M, and on the transposed-scan path the states h and Delta, are not written, so only ``o`` and
+    ``ht`` are valid."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -742,13 +748,13 @@ def chunk_fwd(
     _intra_fwd[(NC, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0, rnq, rnk,
                         H=H, K=K, C=C, BK=BKi, F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["intra_warps"])
     _wy_fwd[(NC, H)](k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)),
-                     F32=F32, L2=qk_l2norm, num_warps=TUNING["wy_warps"])
+                     F32=F32, L2=qk_l2norm, SAVE=save, num_warps=TUNING["wy_warps"])
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
     scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
                 F32=F32, num_warps=nw)
     if transposed:
-        _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, **meta)
+        _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **meta)
     else:
         _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, **meta)
         BVo = min(64, _pow2(V))
