@@ -1,0 +1,111 @@
+"""Which rounding of the chunked KDA forward makes the output's error (CPU, float64 emulation).
+
+The Triton forward (``k3lit.kernels.kda.chunk``) rounds its matrix-product operands and some stored tensors to
+bfloat16. This script replays the same chunked algorithm in float64 with each of those roundings switchable,
+and prints the relative RMS error of the output against the float64 token-by-token recurrence
+(``kda_reference``) on the same bf16-valued inputs: with every rounding on, with each one off, and with each one
+alone. The rounding points, as the kernels have them (C = 32, rebased at row r = 15 of the chunk)::
+
+    A     operands of A = (K⊙exp(G - G_r)) (K⊙exp(G_r - G))^T      _intra_fwd
+    Aq    operands of Aq = (Q⊙exp(G - G_r)) (K⊙exp(G_r - G))^T     _intra_fwd
+    Mb    M Diag(beta), operand of W and U                         _wy_fwd
+    Kg    K⊙exp(G), operand of W                                   _wy_fwd
+    W, Kd, Qg, h, D   stored in bf16                               _wy_fwd, _intra_fwd, the scan
+    S     the state as operand of W S                              the scan
+    Aq_o  Aq as operand of Aq Delta                                _out_fwd / _scan_fwd_t
+
+``--aq tf32`` cuts the two Aq points to TF32 (10-bit mantissa) instead, as the kernels do since this script
+showed them to be the largest terms.
+
+    python benchmarks/kda_rounding.py [--T 512] [--K 64] [--seeds 3] [--aq bf16|tf32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3lit.ops.kda import kda_reference  # noqa: E402
+from k3lit.testing import rel_rms  # noqa: E402
+
+POINTS = ("A", "Aq", "Mb", "Kg", "W", "Kd", "Qg", "h", "D", "S", "Aq_o")
+F64 = torch.float64
+
+
+def rounded(x: torch.Tensor, mode: str | None) -> torch.Tensor:
+    """``x`` rounded to bfloat16 (to nearest even), cut to TF32 (the float32 value's 13 low mantissa bits dropped:
+    the tensor cores read float32 registers that way), or unchanged (None)."""
+    if mode == "bf16":
+        return x.to(torch.bfloat16).to(F64)
+    if mode == "tf32":
+        return (x.float().view(torch.int32) & ~0x1FFF).view(torch.float32).to(F64)
+    return x
+
+
+def chunked_forward(q, k, v, g, beta, modes: dict[str, str | None], C: int = 32) -> torch.Tensor:
+    """Output ``[T, V]`` of one sequence and head by the kernels' chunked algorithm (module docstring), float64
+    except where ``modes`` rounds."""
+    T, K = q.shape
+    scale = K**-0.5
+    S = torch.zeros(K, v.shape[1], dtype=F64)
+    out = torch.empty(T, v.shape[1], dtype=F64)
+    for t0 in range(0, T, C):
+        n = min(C, T - t0)
+        Q, Kc, Vc, b = q[t0:t0 + n], k[t0:t0 + n], v[t0:t0 + n], beta[t0:t0 + n]
+        G = torch.cumsum(g[t0:t0 + n], 0)
+        Gr = G[min((C - 1) // 2, n - 1)]
+        kdn = Kc * torch.exp(Gr - G)
+        A = torch.tril(rounded(Kc * torch.exp(G - Gr), modes["A"]) @ rounded(kdn, modes["A"]).T, -1)
+        Aq = scale * torch.tril(rounded(Q * torch.exp(G - Gr), modes["Aq"]) @ rounded(kdn, modes["Aq"]).T)
+        M = torch.linalg.inv(torch.eye(n, dtype=F64) + b[:, None] * A)
+        Mb = rounded(M * b[None, :], modes["Mb"])
+        W = rounded(Mb @ rounded(Kc * torch.exp(G), modes["Kg"]), modes["W"])
+        U = Mb @ Vc
+        Kd = rounded(Kc * torch.exp(G[-1] - G), modes["Kd"])
+        Qg = rounded(scale * Q * torch.exp(G), modes["Qg"])
+        D = rounded(U - W @ rounded(S, modes["S"]), modes["D"])
+        out[t0:t0 + n] = Qg @ rounded(S, modes["h"]) + rounded(Aq, modes["Aq_o"]) @ D
+        S = S * torch.exp(G[-1])[:, None] + Kd.T @ D
+    return out
+
+
+def mean_error(on: set[str], aq: str, T: int, K: int, seeds: int) -> float:
+    modes = {p: (aq if p in ("Aq", "Aq_o") else "bf16") if p in on else None for p in POINTS}
+    errs = []
+    for seed in range(seeds):
+        gen = torch.Generator().manual_seed(seed)
+        bf = lambda x: x.to(torch.bfloat16).to(F64)  # noqa: E731 - the inputs are bf16 values
+        q = bf(F.normalize(torch.randn(T, K, generator=gen, dtype=F64), dim=-1))
+        k = bf(F.normalize(torch.randn(T, K, generator=gen, dtype=F64), dim=-1))
+        v = bf(torch.randn(T, K, generator=gen, dtype=F64))
+        g = (-5 * torch.sigmoid(2 * torch.randn(T, K, generator=gen, dtype=F64))).float().to(F64)
+        beta = bf(torch.sigmoid(torch.randn(T, generator=gen, dtype=F64)))
+        ref, _ = kda_reference(*(x[None, :, None] for x in (q, k, v, g, beta)), K**-0.5)
+        errs.append(rel_rms(chunked_forward(q, k, v, g, beta, modes), ref[0, :, 0]))
+    return sum(errs) / len(errs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=512)
+    ap.add_argument("--K", type=int, default=64, help="K = V")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--aq", choices=["bf16", "tf32"], default="bf16", help="rounding of the Aq points")
+    a = ap.parse_args()
+    every = set(POINTS)
+    print(f"relative RMS error of o, mean of {a.seeds} seeds, T {a.T}, K = V = {a.K}, Aq points in {a.aq}")
+    print("| rounding | all on | all on but this one | this one alone |\n|---|---|---|---|")
+    total = mean_error(every, a.aq, a.T, a.K, a.seeds)
+    for p in POINTS:
+        print(f"| {p} | {total:.2e} | {mean_error(every - {p}, a.aq, a.T, a.K, a.seeds):.2e} | "
+              f"{mean_error({p}, a.aq, a.T, a.K, a.seeds):.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
