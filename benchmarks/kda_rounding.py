@@ -14,8 +14,9 @@ alone. The rounding points, as the kernels have them (C = 32, rebased at row r =
     S     the state as operand of W S                              the scan
     Aq_o  Aq as operand of Aq Delta                                _out_fwd / _scan_fwd_t
 
-``--aq tf32`` cuts the two Aq points to TF32 (10-bit mantissa) instead, as the kernels do since this script
-showed them to be the largest terms.
+``--aq tf32`` rounds the two Aq points to TF32 (10-bit mantissa) instead: this script shows them to be the
+largest terms in bf16. The kernels on main still round them to bf16; branch ``exp/aq-tf32-rna`` has the TF32
+variant (see the KDA notes in benchmarks/RESULTS.md for what the H200 measured of it).
 
     python benchmarks/kda_rounding.py [--T 512] [--K 64] [--seeds 3] [--aq bf16|tf32]
 """
@@ -39,12 +40,12 @@ F64 = torch.float64
 
 
 def rounded(x: torch.Tensor, mode: str | None) -> torch.Tensor:
-    """``x`` rounded to bfloat16 (to nearest even), cut to TF32 (the float32 value's 13 low mantissa bits dropped:
-    the tensor cores read float32 registers that way), or unchanged (None)."""
+    """``x`` rounded to bfloat16 (to nearest even), to TF32 (to nearest, ties away from zero, as the kernels'
+    ``cvt.rna.tf32.f32``), or unchanged (None)."""
     if mode == "bf16":
         return x.to(torch.bfloat16).to(F64)
     if mode == "tf32":
-        return (x.float().view(torch.int32) & ~0x1FFF).view(torch.float32).to(F64)
+        return ((x.float().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32).to(F64)
     return x
 
 

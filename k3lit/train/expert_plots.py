@@ -3,11 +3,12 @@
     k3lit fit --config recipes/tiny.yaml --trainer.callbacks+=k3lit.train.expert_plots.ExpertLoadPlots \\
         --trainer.callbacks.every_n_steps=100
 
-Reads ``K3LitModule.last_expert_fraction`` (``[L_moe, n]`` share of routed slots per expert of the latest
-optimizer step, synced over ranks by :class:`~k3lit.train.metrics.ExpertLoad`) every ``every_n_steps`` optimizer
-steps and once at the end of training, and draws ``fraction · n`` (1.0 = perfectly balanced) with a diverging
-colour map centred on 1. Files go to ``<log_dir>/expert_load/step{N:07d}.png``; a TensorBoard logger, if any,
-gets the same image under ``expert_load/heatmap``. Rank zero only; matplotlib with the Agg backend.
+Reads ``K3LitModule.last_expert_fraction`` (``[L_moe, n]`` share of routed slots per expert of the latest optimizer
+step, synced over ranks by :class:`~k3lit.train.metrics.ExpertLoad`, kept on the training device: copied to the host
+only here) every ``every_n_steps`` optimizer steps and once at the end of training, and draws ``fraction · n`` (1.0 =
+perfectly balanced) with a diverging colour map centred on 1. Files go to ``<log_dir>/expert_load/step{N:07d}.png``; a
+TensorBoard logger, if any, gets the same image under ``expert_load/heatmap``. Rank zero only; matplotlib with the Agg
+backend.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def render_heatmap(fraction: torch.Tensor, title: str, path: Path) -> Any:
     import numpy as np
     from matplotlib.colors import TwoSlopeNorm
 
-    rel = (fraction.float() * fraction.shape[1]).numpy()  # load relative to the balanced load
+    rel = (fraction.detach().float().cpu() * fraction.shape[1]).numpy()  # load relative to the balanced load
     layers, n = rel.shape
     fig, ax = plt.subplots(figsize=(min(16, 2 + 0.25 * n), 1.5 + 0.45 * layers), dpi=100)
     vmax = max(2.0, float(rel.max()))

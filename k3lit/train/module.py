@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from k3lit.model import K3LM, ModelConfig
+from k3lit.nn.moe import MoE
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
@@ -95,9 +96,6 @@ class K3LitModule(L.LightningModule):
         logits = self.model(x)[0]
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-    def _moe_loads(self) -> torch.Tensor:
-        return torch.stack([m.last_load for m in self.model.moe_layers()])  # [L_moe, n_experts]
-
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -106,25 +104,30 @@ class K3LitModule(L.LightningModule):
         if aux is not None:
             self.log("train/aux_loss", aux)
             loss = loss + aux
-        if self.model.moe_layers():
-            self._update_load(self.train_load)  # every micro-batch; logged once per optimizer step
+        if moes := self.model.moe_layers():
+            self._update_load(self.train_load, moes)  # every micro-batch; logged once per optimizer step
         return loss
 
-    def _update_load(self, metric: ExpertLoad) -> None:
+    @staticmethod
+    def _update_load(metric: ExpertLoad, moes: list[MoE]) -> None:
         """Add the latest forward of every MoE layer (this rank's tokens, recorded outside recomputation)."""
-        moes = self.model.moe_layers()
         stats = {k: torch.stack([m.last_stats[k] for m in moes]) for k in ("rerouted", "dropped", "entropy")}
-        metric.update(self._moe_loads(), moes[0].last_stats["tokens"], **stats)  # 0-d tensor: no host sync
+        loads = torch.stack([m.last_load for m in moes])  # [L_moe, n_experts]
+        metric.update(loads, moes[0].last_stats["tokens"], **stats)  # 0-d tensor: no host sync
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        for moe in self.model.moe_layers():
+        """Balancer updates, then the step's MoE statistics, computed and logged on the device without a host
+        sync: Lightning turns logged values into numbers when it writes them (every ``log_every_n_steps``) and,
+        for the progress bar's (``train/max_vio/layer0``), after every batch."""
+        moes = self.model.moe_layers()
+        for moe in moes:
             moe.update_balancer()
-        if self.model.moe_layers() and self.train_load.updates > 0:
+        if moes and self.train_load.update_called:  # a Python count of this rank's updates: no host sync
             # MaxVio_batch over the whole optimizer-step batch: all micro-batches, all ranks (synced in compute)
             stats = self.train_load.compute()
             self.train_load.reset()
-            self.last_expert_fraction = stats["fraction"].detach().cpu()  # [L_moe, n], for ExpertLoadPlots
+            self.last_expert_fraction = stats["fraction"].detach()  # [L_moe, n] on the device, for ExpertLoadPlots
             for i in range(len(stats["max_vio"])):
                 self.log(f"train/max_vio/layer{i}", stats["max_vio"][i], prog_bar=(i == 0))
                 self.log(f"train/router_entropy/layer{i}", stats["entropy"][i])
@@ -154,8 +157,8 @@ class K3LitModule(L.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch)
         self.val_loss.update(loss, weight=batch[:, 1:].numel())
-        if self.model.moe_layers():
-            self._update_load(self.val_load)
+        if moes := self.model.moe_layers():
+            self._update_load(self.val_load, moes)
 
     @override
     def on_validation_epoch_end(self) -> None:

@@ -48,7 +48,12 @@ class OptimConfig:
     def build(
         self, model: nn.Module, total_steps: int
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        """AdamW over ``model`` (decay only on parameters with >= 2 dims) and its step-wise schedule."""
+        """AdamW over ``model`` (decay only on parameters with >= 2 dims) and its step-wise schedule.
+
+        The fused AdamW kernel (one launch per parameter group and step, like ``benchmarks/throughput.py``) when
+        every parameter is a plain CUDA tensor; elsewhere torch's default: ``foreach`` for DTensor parameters
+        (FSDP2, expert meshes), the per-parameter loop on CPU (whose numerics the CPU tests pin).
+        """
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW(
@@ -56,6 +61,14 @@ class OptimConfig:
             lr=self.lr,
             betas=(self.beta1, self.beta2),
             eps=self.eps,
+            fused=True if _fused_supported(decay + no_decay) else None,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps))
         return opt, sched
+
+
+def _fused_supported(params: list[torch.Tensor]) -> bool:
+    """Every parameter a plain (not DTensor) CUDA tensor: the case the fused AdamW kernel is used for."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)

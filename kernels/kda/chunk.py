@@ -61,18 +61,6 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
-def _dot_aq(a, b, F32: tl.constexpr):
-    """``a @ b`` for the products with Aq (intra-chunk query-key scores) and the products that form it: float32
-    operands in TF32 (10-bit mantissa, 8x finer than bfloat16's; 3xTF32 for float32 inputs). In bf16 these
-    roundings made most of the output's error: emulated in float64 (B1 T512 K=V=64), rounding Aq's two operands
-    to bf16 alone gives a relative RMS error of 2.4e-3 on o, all other roundings together 2.5e-3 (README.md)."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
-
-
-@triton.jit
 def _row(x, rows, i):
     """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
     return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
@@ -158,9 +146,9 @@ def _intra_fwd(
         g_last = _row(b_G, rows, n_valid - 1)
         tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
         tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
-        b_kdn = b_k * dn
-        A += _dot(_op(b_k * up, F32), tl.trans(_op(b_kdn, F32)), F32)
-        B_qk += _dot_aq(b_q * up, tl.trans(b_kdn), F32)
+        b_kdn = _op(b_k * dn, F32)
+        A += _dot(_op(b_k * up, F32), tl.trans(b_kdn), F32)
+        B_qk += _dot(_op(b_q * up, F32), tl.trans(b_kdn), F32)
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
     L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
@@ -312,7 +300,8 @@ def _scan_fwd_t(
             tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
-        b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot_aq(_op(b_dt, F32), tl.trans(b_a), F32)
+        b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
+                                                                         F32)
         tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
@@ -350,7 +339,7 @@ def _out_fwd(
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
     mv = m_t[:, None] & m_v[None, :]
     b_d = tl.load(D + offv, mask=mv, other=0.0)
-    acc += _dot_aq(b_a, b_d, F32)
+    acc += _dot(_op(b_a, F32), _op(b_d, F32), F32)
     tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mv)
 
 
@@ -385,7 +374,7 @@ def _scan_bwd(
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        b_dd = _dot_aq(tl.trans(b_a), b_do, F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
+        b_dd = _dot(tl.trans(_op(b_a, F32)), _op(b_do, F32), F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
@@ -421,7 +410,7 @@ def _scan_bwd_t(
         b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
-        b_ddt = _dot_aq(b_dot, b_a, F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
+        b_ddt = _dot(b_dot, _op(b_a, F32), F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
         tl.store(dD + offv, tl.trans(b_ddt).to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
