@@ -113,7 +113,9 @@ def run_speed(size: str, repeats: int, residuals: list[str], policies: list[str]
                 code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import attnres; "
                         f"print(json.dumps(attnres.measure({size!r}, {residual!r}, {block}, {policy!r}, {repeats}, "
                         f"{compile_}, {batch})))")
-                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                if out.returncode:
+                    sys.exit(f"{residual} / {policy} failed:\n{out.stderr[-3000:]}")
                 row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(row, flush=True)
@@ -286,7 +288,7 @@ def main() -> None:
     parser.add_argument("--sources", type=int, nargs="+", default=[2, 6, 11], help="mix: source counts N")
     parser.add_argument("--sweep", action="store_true", help="mix: also time every row tile")
     args = parser.parse_args()
-    if args.mode == "speed":
+    if args.mode == "speed":  # the run's rows replace its whole section: list every row the section should keep
         rows = run_speed(args.size, args.repeats, args.residuals, args.policies, args.compile, args.batch)
         where = torch.cuda.get_device_name().removeprefix("NVIDIA ") if torch.cuda.is_available() else "CPU"
         title = (f"Attention residuals × checkpointing ({where}, {args.size}" + (", compiled" if args.compile else "")
@@ -299,7 +301,8 @@ def main() -> None:
         table = run_mix((args.batch or 2, args.seq, args.dim), args.sources, args.sweep)
         print(table)
         if torch.cuda.is_available():
-            write_section("Attention residuals: depth-mix kernel (H200)", table)
+            gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+            write_section(f"Attention residuals: depth-mix kernel ({gpu})", table)
     else:
         write_section("Attention residuals: quality (CPU)", run_quality(args.steps, args.seeds))
 

@@ -40,8 +40,8 @@ F64 = torch.float64
 
 
 def rounded(x: torch.Tensor, mode: str | None) -> torch.Tensor:
-    """``x`` rounded to bfloat16 (to nearest even), to TF32 (to nearest, ties away from zero, as the kernels'
-    ``cvt.rna.tf32.f32``), or unchanged (None)."""
+    """``x`` rounded to bfloat16 (to nearest even), to TF32 (to nearest, ties away from zero, as PTX's
+    ``cvt.rna.tf32.f32``, which branch ``exp/aq-tf32-rna`` uses), or unchanged (None)."""
     if mode == "bf16":
         return x.to(torch.bfloat16).to(F64)
     if mode == "tf32":
@@ -76,9 +76,9 @@ def chunked_forward(q, k, v, g, beta, modes: dict[str, str | None], C: int = 32)
     return out
 
 
-def mean_error(on: set[str], aq: str, T: int, K: int, seeds: int) -> float:
-    modes = {p: (aq if p in ("Aq", "Aq_o") else "bf16") if p in on else None for p in POINTS}
-    errs = []
+def cases(T: int, K: int, seeds: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Per seed: bf16-valued inputs ``(q, k, v, g, beta)`` of one sequence and head, and their float64 output."""
+    out = []
     for seed in range(seeds):
         gen = torch.Generator().manual_seed(seed)
         bf = lambda x: x.to(torch.bfloat16).to(F64)  # noqa: E731 - the inputs are bf16 values
@@ -88,8 +88,14 @@ def mean_error(on: set[str], aq: str, T: int, K: int, seeds: int) -> float:
         g = (-5 * torch.sigmoid(2 * torch.randn(T, K, generator=gen, dtype=F64))).float().to(F64)
         beta = bf(torch.sigmoid(torch.randn(T, generator=gen, dtype=F64)))
         ref, _ = kda_reference(*(x[None, :, None] for x in (q, k, v, g, beta)), K**-0.5)
-        errs.append(rel_rms(chunked_forward(q, k, v, g, beta, modes), ref[0, :, 0]))
-    return sum(errs) / len(errs)
+        out.append(((q, k, v, g, beta), ref[0, :, 0]))
+    return out
+
+
+def mean_error(on: set[str], aq: str, data: list) -> float:
+    """Mean relative RMS error of o over ``data`` (:func:`cases`) with the rounding points ``on``."""
+    modes = {p: (aq if p in ("Aq", "Aq_o") else "bf16") if p in on else None for p in POINTS}
+    return sum(rel_rms(chunked_forward(*xs, modes), ref) for xs, ref in data) / len(data)
 
 
 def main() -> None:
@@ -99,13 +105,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--aq", choices=["bf16", "tf32"], default="bf16", help="rounding of the Aq points")
     a = ap.parse_args()
-    every = set(POINTS)
-    print(f"relative RMS error of o, mean of {a.seeds} seeds, T {a.T}, K = V = {a.K}, Aq points in {a.aq}")
-    print("| rounding | all on | all on but this one | this one alone |\n|---|---|---|---|")
-    total = mean_error(every, a.aq, a.T, a.K, a.seeds)
+    every, data = set(POINTS), cases(a.T, a.K, a.seeds)
+    print(f"relative RMS error of o, mean of {a.seeds} seeds, T {a.T}, K = V = {a.K}, Aq points in {a.aq}: "
+          f"{mean_error(every, a.aq, data):.2e} with every rounding on")
+    print("| rounding | every one but this | this one alone |\n|---|---|---|")
     for p in POINTS:
-        print(f"| {p} | {total:.2e} | {mean_error(every - {p}, a.aq, a.T, a.K, a.seeds):.2e} | "
-              f"{mean_error({p}, a.aq, a.T, a.K, a.seeds):.2e} |", flush=True)
+        print(f"| {p} | {mean_error(every - {p}, a.aq, data):.2e} | {mean_error({p}, a.aq, data):.2e} |", flush=True)
 
 
 if __name__ == "__main__":

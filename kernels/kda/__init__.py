@@ -169,6 +169,10 @@ def kda_triton(
 
     The gate is not checked against g_min on the device (that would synchronise); a g below g_min can
     produce inf/nan. The fused gate cannot leave ``[g_min, 0]``.
+
+    When no backward can follow (grad disabled, or no input requires a gradient) the kernels skip writing what
+    only the backward reads (the inverse M; on the transposed scan the per-chunk states and Delta): a saving in
+    memory traffic, not in memory, as the buffers are still allocated. The outputs are bit-identical.
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     C = largest_safe_chunk(g_min) if chunk_size is None else chunk_size

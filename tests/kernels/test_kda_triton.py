@@ -113,6 +113,24 @@ def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
     assert torch.equal(o_inf, o.detach()) and torch.equal(ht_inf, ht.detach())
 
 
+@pytest.mark.parametrize("save", [True, False])
+def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout, save):
+    """``chunk_fwd(save=False)`` leaves M unwritten (Mi keeps L, zero on the diagonal, where M has ones) and, on the
+    transposed scan, the per-chunk states and Delta (NaN: every buffer starts NaN here); with ``save`` all are
+    written. The plain scan's output kernel reads the states, so it writes them either way."""
+    from k3lit.kernels.kda import chunk
+
+    q, k, v, g, beta, _ = make_inputs(1, 70, 2, 16, 24)
+    NC = 3  # chunks of 32 in T = 70
+    _, _, _, _, Mi, _, _, _, h, D, _ = chunk.chunk_fwd(q, k, v, g, beta, 16**-0.5, None, True, None, 32,
+                                                      qk_l2norm=True, save=save)
+    rows = Mi[0, :, 0, :]  # [T, C]: row t of its chunk's matrix
+    diag = rows[torch.arange(70), torch.arange(70) % 32]
+    assert torch.equal(diag, torch.full_like(diag, 1.0 if save else 0.0))
+    written = save or scan_layout == "plain"
+    assert bool(h[:NC].isfinite().all()) == written and bool(D.isfinite().all()) == written
+
+
 @pytest.mark.parametrize("gate", ["min", "zero"])
 def test_gate_edges(seed, gate):
     """g = g_min everywhere puts the rebased exponents at their bound (80 at C = 32); g = 0 means no decay."""
