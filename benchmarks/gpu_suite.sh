@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements behind benchmarks/RESULTS.md in one run (its commands took about 9 minutes
-# on one H200, run one by one; the script as a whole has not run yet), in the order that
+# The GPU measurements behind benchmarks/RESULTS.md in one run (its commands took about 9-10 minutes
+# on one H200, run one by one in sessions 4-5; the script as a whole has not run yet), in the order that
 # keeps the GPU free for every timing: the GPU tests and fla's compile workers first (they share the GPU, but
 # time nothing), then each benchmark alone. Each benchmark writes its own RESULTS.md section; logs go to $LOGS.
 #
@@ -26,7 +26,7 @@ stamp "fla compile workers"
 timeout 420 python benchmarks/kda.py > "$LOGS/kda.log" 2>&1; stamp "kda.py (rc $?)"
 timeout 120 python benchmarks/kda.py --fused-inputs --no-fla > "$LOGS/fused.log" 2>&1; stamp "kda.py --fused-inputs (rc $?)"
 timeout 150 python benchmarks/attnres.py speed --size 300m --batch 8 --repeats 3 --residuals plain block_attnres \
-  --policies none block > "$LOGS/attnres.log" 2>&1; stamp "attnres.py (rc $?)"
-timeout 120 python benchmarks/throughput.py --recipe recipes/small.yaml --json "$LOGS/throughput_small.json" \
-  > "$LOGS/throughput.log" 2>&1; stamp "throughput.py (rc $?)"
+  --policies none block block:7 > "$LOGS/attnres.log" 2>&1; stamp "attnres.py (rc $?)"
+timeout 150 python benchmarks/throughput.py --recipe recipes/small.yaml --json "$LOGS/throughput_small.json" \
+  --lightning "$LOGS/lightning" > "$LOGS/throughput.log" 2>&1; stamp "throughput.py (rc $?)"
 grep -h "^| \|Target" "$LOGS/kda.log" | tail -12
