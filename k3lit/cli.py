@@ -23,7 +23,7 @@ import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from k3lit.data import K3DataModule
@@ -31,6 +31,7 @@ from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import ModelConfig
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, ProgressLines, SlurmRequeue
 from k3lit.train.checkpoint import checkpoint_hparams, is_sharded_checkpoint, load_full_checkpoint
+from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
 
@@ -91,14 +92,15 @@ class K3CLI(LightningCLI):
             self.config = self.parser.parse_object({self.config.subcommand: update}, self.config)
 
     def _default_outputs(self) -> dict:
-        """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured."""
+        """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured.
+        A run given ``--ckpt_path`` continues the directory's ``metrics.csv`` (:class:`RunCSVLogger`)."""
         cfg = self._get(self.config_init, "trainer", default={})
         root = Path(cfg.get("default_root_dir") or "runs/default")
         out: dict = {}
         if cfg.get("logger") in (None, True):
             out["logger"] = [
                 TensorBoardLogger(root, name="", version=""),
-                CSVLogger(root, name="", version=""),
+                RunCSVLogger(root, append=bool(self._get(self.config_init, "ckpt_path"))),
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):

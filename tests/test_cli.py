@@ -242,3 +242,19 @@ def test_progress_is_printed_as_lines_when_stdout_is_not_a_terminal(tmp_path, ca
     train = [ln for ln in lines if "train/loss" in ln]
     assert [ln.split(" · ")[0] for ln in train] == ["step 2/4", "step 4/4"]  # once per optimizer step, not micro-batch
     assert any("val/bpb" in ln for ln in lines)
+
+
+def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, cache, monkeypatch, recwarn):
+    """`--ckpt_path last` continues metrics.csv (the steps before the resume stay); a fresh run keeps the old file."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 3))
+    before = read_metric(tmp_path, "train/loss")
+    assert sorted(before) == [0, 1, 2]
+    main(fit_args(tmp_path, cache, 6, "--ckpt_path", "last"))
+    assert sorted(read_metric(tmp_path, "train/loss")) == list(range(6))
+    assert {s: read_metric(tmp_path, "train/loss")[s] for s in range(3)} == before
+    assert not any("will be deleted" in str(w.message) for w in recwarn)
+    main(fit_args(tmp_path, cache, 2))  # from scratch in the same directory: the earlier file is moved, not lost
+    assert sorted(read_metric(tmp_path, "train/loss")) == [0, 1]
+    with open(tmp_path / "metrics.1.csv") as f:
+        assert sorted({int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]}) == list(range(6))

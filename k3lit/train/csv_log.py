@@ -1,0 +1,67 @@
+"""``metrics.csv`` that survives a resume: one file per run directory, continued by ``--ckpt_path``."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+__all__ = ["RunCSVLogger"]
+
+
+class RunCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` writing ``<save_dir>/metrics.csv`` without deleting an earlier file there.
+
+    Lightning's writer removes an existing ``metrics.csv`` when it starts (and warns so for any non-empty
+    folder), which erased the steps before a resume. Here a run that continues from a checkpoint
+    (``append=True``) appends its rows to the file, widening the header when new metric columns appear; a fresh
+    run moves an earlier file aside to ``metrics.<n>.csv`` (with a warning naming it) and starts a new one.
+    Rows of the steps a resumed run redoes (logged after the checkpoint it resumed from) then appear twice; the
+    later rows are the resumed run's.
+
+    Args:
+        save_dir: the run directory.
+        append: continue the existing ``metrics.csv`` (set before the first metrics are logged).
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, append: bool = False) -> None:
+        super().__init__(save_dir, name="", version="")
+        self.append = append
+
+    @property
+    @override
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._experiment = _RunWriter(self.log_dir, self.append)
+        return self._experiment
+
+
+class _RunWriter(ExperimentWriter):
+    """Lightning's writer, but keeping (``append``) or moving aside an existing ``metrics.csv``."""
+
+    def __init__(self, log_dir: str, append: bool) -> None:
+        self.append = append
+        super().__init__(log_dir)
+        if append and self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != sorted(header):  # save() appends rows in sorted column order
+                self._rewrite_with_new_header(sorted(header))
+            self.metrics_keys = sorted(header)  # so save() appends under the file's header (or widens it)
+
+    @override
+    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
+        if self.append or not self._fs.isfile(self.metrics_file_path):
+            return
+        n = 1
+        while self._fs.exists(aside := os.path.join(self.log_dir, f"metrics.{n}.csv")):
+            n += 1
+        self._fs.mv(self.metrics_file_path, aside)
+        rank_zero_warn(f"{self.metrics_file_path} of an earlier run was moved to {aside}: this run starts from "
+                       "scratch (pass --ckpt_path last to continue a run and its metrics.csv)")
