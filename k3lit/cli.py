@@ -1,7 +1,7 @@
 """The ``k3lit`` command: LightningCLI sub-commands (fit, validate, test, predict) plus prepare, generate and slurm.
 
     k3lit fit --config recipes/tiny.yaml --model.n_layers=4 --trainer.max_steps=100
-    k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume
+    k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume (architecture from the checkpoint)
     k3lit prepare --config recipes/tiny.yaml                       # tokenise the corpus into litdata chunks
     k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt --prompt "def "
     k3lit slurm --config recipes/small.yaml --nodes 1 --gpus_per_node 1 > job.sbatch  # see k3lit.slurm
@@ -25,12 +25,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
-from k3lit.model import ModelConfig
+from k3lit.model import RUNTIME_FIELDS, ModelConfig
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, ProgressLines, SlurmRequeue
-from k3lit.train.checkpoint import checkpoint_hparams, is_sharded_checkpoint, load_full_checkpoint
+from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_full_checkpoint
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
@@ -61,7 +63,14 @@ class K3CLI(LightningCLI):
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
+        self.trainer = self.instantiate_trainer(**self._default_outputs())
         model_cfg: ModelConfig = self._get(self.config_init, "model")
+        ckpt_path = self._resolve_ckpt_path()
+        if ckpt_path is not None:
+            model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
+        for logger in self.trainer.loggers:  # continue metrics.csv only when a checkpoint is really loaded
+            if isinstance(logger, RunCSVLogger):
+                logger.append = ckpt_path is not None
         data_vocab = self.datamodule.vocab_size
         if model_cfg.vocab_size is None:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=data_vocab)
@@ -70,26 +79,47 @@ class K3CLI(LightningCLI):
                 f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data_vocab}: "
                 "remove model.vocab_size to take it from the data, or raise it"
             )
-        self.trainer = self.instantiate_trainer(**self._default_outputs())
         # A sharding strategy gets a meta-device model: each rank materialises only its shards (configure_model)
         self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"),
                                  compile=bool(self._get(self.config_init, "compile", default=False)),
                                  empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy))
 
     def _parse_ckpt_path(self) -> None:
-        """With ``--ckpt_path <file or sharded folder>``, the checkpoint's own ``model`` and ``optim`` configs
-        replace the recipe's, so the weights always load into the architecture that wrote them."""
-        if not self.config.get("subcommand"):
-            return
-        ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
-        if not ckpt_path or not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
-            return
-        hparams = checkpoint_hparams(ckpt_path)
-        update = {
-            k: dataclasses.asdict(hparams[k]) for k in ("model", "optim") if dataclasses.is_dataclass(hparams.get(k))
-        }
-        if update:
-            self.config = self.parser.parse_object({self.config.subcommand: update}, self.config)
+        """Off: LightningCLI's would replace the whole recipe ``model`` with the checkpoint's, for a file path only,
+        and silently; :meth:`_checkpoint_architecture` does it per field, for ``last`` as well, with a warning."""
+
+    def _resolve_ckpt_path(self) -> str | None:
+        """The checkpoint ``--ckpt_path`` names, as a file or sharded folder: ``last`` and ``hpc`` become the path
+        Lightning would pick (None when there is none yet: the run starts from scratch), and the resolved path is
+        what the sub-command loads. Raises FileNotFoundError for a path that is no checkpoint."""
+        ckpt_path = self._get(self.config_init, "ckpt_path")
+        if ckpt_path in ("last", "hpc"):
+            fn = TrainerFn(self.subcommand)
+            ckpt_path = self.trainer._checkpoint_connector._parse_ckpt_path(fn, ckpt_path, True, False)
+            self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
+        return None if ckpt_path is None else str(check_checkpoint(ckpt_path))
+
+    def _checkpoint_architecture(self, ckpt_path: str, model_cfg: ModelConfig) -> ModelConfig:
+        """``model_cfg`` with every field that shapes the weights taken from the checkpoint, so they always load
+        into the architecture that wrote them; the :data:`~k3lit.model.RUNTIME_FIELDS` (activation checkpointing,
+        KDA backend, balancer rates, capacity) and the whole ``optim`` section stay as this run sets them. Warns
+        with each recipe or command-line value the checkpoint replaced; the saved config.yaml shows the result."""
+        saved = checkpoint_hparams(ckpt_path).get("model")
+        if not isinstance(saved, ModelConfig):
+            return model_cfg
+        values = vars(saved)
+        kept = {f.name: values.get(f.name, f.default) for f in dataclasses.fields(ModelConfig)
+                if f.name not in RUNTIME_FIELDS}
+        replaced = [f"model.{k}={getattr(model_cfg, k)!r} (checkpoint: {v!r})" for k, v in kept.items()
+                    if getattr(model_cfg, k) is not None and getattr(model_cfg, k) != v]
+        if replaced:
+            rank_zero_warn(f"--ckpt_path {ckpt_path}: the checkpoint's architecture replaces " + ", ".join(replaced)
+                           + f"; only {', '.join(RUNTIME_FIELDS)} and optim.* can differ from the checkpoint")
+        model_cfg = dataclasses.replace(model_cfg, **kept)
+        section = self.config[self.subcommand] if self.subcommand else self.config
+        for k, v in kept.items():  # the config.yaml saved beside the run records what was used
+            section[f"model.{k}"] = v
+        return model_cfg
 
     def _default_outputs(self) -> dict:
         """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured.

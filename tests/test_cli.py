@@ -158,6 +158,7 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
         ("--model.top_k=9", "ModelConfig.top_k"),
         ("--data.corpus=/no/such/corpus", "does not exist"),
         ("--data.val_fraction=1.5", "val_fraction"),
+        ("--ckpt_path=/no/such.ckpt", "checkpoint /no/such.ckpt not found"),
     ],
 )
 def test_bad_input_gives_clear_error(tmp_path, cache, override, message, capsys, monkeypatch):
@@ -258,3 +259,26 @@ def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, 
     assert sorted(read_metric(tmp_path, "train/loss")) == [0, 1]
     with open(tmp_path / "metrics.1.csv") as f:
         assert sorted({int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]}) == list(range(6))
+
+
+@pytest.mark.parametrize("form", ["last", "path"])
+def test_resume_takes_the_architecture_from_the_checkpoint_and_the_rest_from_the_command_line(
+        tmp_path, cache, monkeypatch, form):
+    """`--ckpt_path last` and a file path behave alike: fields that shape the weights come from the checkpoint
+    (with a warning naming each replaced value), activation checkpointing and optim.* from the command line."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 3))
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    if form == "path":
+        ckpt = ckpt.rename(tmp_path / "step3.ckpt")
+    with pytest.warns(UserWarning, match=r"replaces model\.dim=32 \(checkpoint: 64\), model\.n_heads=1 "):
+        main(fit_args(tmp_path, cache, 5, "--model.dim=32", "--model.n_heads=1", "--optim.lr=1e-4",
+                      "--model.activation_checkpointing=block", "--trainer.val_check_interval=3",  # same last.ckpt
+                      "--ckpt_path", "last" if form == "last" else str(ckpt)))
+    out = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert out["global_step"] == 5
+    model, optim = out["hyper_parameters"]["model"], out["hyper_parameters"]["optim"]
+    assert (model.dim, model.n_heads, model.activation_checkpointing, optim.lr) == (64, 2, "block", 1e-4)
+    assert out["lr_schedulers"][0]["base_lrs"] == [1e-4, 1e-4]  # the restored schedule follows the new lr
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]
+    assert (saved["dim"], saved["activation_checkpointing"]) == (64, "block")

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-__all__ = ["is_sharded_checkpoint", "checkpoint_hparams", "load_full_checkpoint"]
+__all__ = ["check_checkpoint", "is_sharded_checkpoint", "checkpoint_hparams", "load_full_checkpoint"]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
@@ -22,7 +22,8 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return p.is_dir() and (p / ".metadata").is_file() and (p / META).is_file()
 
 
-def _check(path: str | Path) -> Path:
+def check_checkpoint(path: str | Path) -> Path:
+    """``path`` as a Path if it is a checkpoint file or sharded folder; else FileNotFoundError saying what to pass."""
     p = Path(path)
     if not (p.is_file() or is_sharded_checkpoint(p)):
         raise FileNotFoundError(
@@ -38,7 +39,7 @@ def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     Raises:
         FileNotFoundError: ``path`` is neither a file nor a sharded checkpoint folder.
     """
-    p = _check(path)
+    p = check_checkpoint(path)
     return torch.load(p / META if p.is_dir() else p, map_location="cpu", weights_only=True).get("hyper_parameters", {})
 
 
@@ -50,7 +51,7 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     Raises:
         FileNotFoundError: ``path`` is neither a file nor a sharded checkpoint folder.
     """
-    p = _check(path)
+    p = check_checkpoint(path)
     if p.is_file():
         return torch.load(p, map_location="cpu", weights_only=False)
     with tempfile.TemporaryDirectory() as tmp:

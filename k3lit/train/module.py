@@ -116,6 +116,12 @@ class K3LitModule(L.LightningModule):
         metric.update(loads, moes[0].last_stats["tokens"], **stats)  # 0-d tensor: no host sync
 
     @override
+    def on_train_start(self) -> None:
+        """A run resumed from a checkpoint trains with its own ``optim`` settings, not the restored ones."""
+        if self.trainer.ckpt_path:
+            self.optim_config.apply(self.trainer.optimizers[0], self.trainer.lr_scheduler_configs[0].scheduler)
+
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Balancer updates, then the step's MoE statistics, computed and logged on the device without a host
         sync: Lightning turns logged values into numbers when it writes them (every ``log_every_n_steps``) and,

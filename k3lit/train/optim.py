@@ -66,6 +66,17 @@ class OptimConfig:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps))
         return opt, sched
 
+    def apply(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:
+        """Set this config on an optimizer and schedule of :meth:`build` whose states were restored from a
+        checkpoint (which restores the saved lr, betas, eps, weight decay and the schedule's base lr): the
+        current step keeps its place in the schedule, now computed with this config's values."""
+        sched.base_lrs = [self.lr] * len(opt.param_groups)
+        for group, factor in zip(opt.param_groups, sched.lr_lambdas, strict=True):
+            group.update(lr=self.lr * factor(sched.last_epoch), initial_lr=self.lr, betas=(self.beta1, self.beta2),
+                         eps=self.eps)
+        opt.param_groups[0]["weight_decay"] = self.weight_decay  # the matrices; the other group has none
+        sched._last_lr = [group["lr"] for group in opt.param_groups]
+
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
     """Every parameter a plain (not DTensor) CUDA tensor: the case the fused AdamW kernel is used for."""
