@@ -282,3 +282,19 @@ def test_resume_takes_the_architecture_from_the_checkpoint_and_the_rest_from_the
     assert out["lr_schedulers"][0]["base_lrs"] == [1e-4, 1e-4]  # the restored schedule follows the new lr
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]
     assert (saved["dim"], saved["activation_checkpointing"]) == (64, "block")
+
+
+def test_max_time_counts_the_whole_run_and_null_lifts_it_on_resume(tmp_path, cache, monkeypatch):
+    """README: resuming a run whose `max_time` (tiny.yaml: 9 minutes) is spent trains no step until the limit is
+    raised or lifted."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 2))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=False)
+    ckpt["callbacks"]["Timer"]["time_elapsed"]["train"] = 9 * 60.0  # as if the run had trained for its 9 minutes
+    torch.save(ckpt, last)
+    main(fit_args(tmp_path, cache, 4, "--trainer.val_check_interval=2", "--ckpt_path", "last"))
+    assert torch.load(last, weights_only=False)["global_step"] == 2
+    main(fit_args(tmp_path, cache, 4, "--trainer.val_check_interval=2", "--trainer.max_time=null", "--ckpt_path",
+                  "last"))
+    assert torch.load(last, weights_only=False)["global_step"] == 4
