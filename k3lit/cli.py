@@ -138,13 +138,13 @@ class K3CLI(LightningCLI):
             every = cfg.get("val_check_interval")
             every = every if isinstance(every, int) and every > 0 else 100
             callbacks.append(LastCheckpoint(root / "checkpoints", every))
-        if cfg.get("enable_progress_bar", True) is not False and not any(
-            isinstance(c, (RichProgressBar, ProgressLines)) for c in callbacks
-        ):  # a live bar on a terminal; plain lines in a log file (SLURM jobs, redirected output)
-            callbacks.append(RichProgressBar() if sys.stdout.isatty() else ProgressLines())
         for kind in (K3ThroughputMonitor, SlurmRequeue):  # tokens/s + MFU; checkpoint + requeue under SLURM
             if not any(isinstance(c, kind) for c in callbacks):
                 callbacks.append(kind())
+        if cfg.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, (RichProgressBar, ProgressLines)) for c in callbacks
+        ):  # a live bar on a terminal; plain lines in a log file (SLURM jobs, redirected output); after the
+            callbacks.append(RichProgressBar() if sys.stdout.isatty() else ProgressLines())  # monitor: its tok/s
         out["callbacks"] = callbacks
         return out
 

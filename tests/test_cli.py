@@ -238,6 +238,8 @@ def test_progress_is_printed_as_lines_when_stdout_is_not_a_terminal(tmp_path, ca
     caplog.set_level("INFO")
     cli = K3CLI(args=args[1:] + ["--trainer.log_every_n_steps=2", "--trainer.accumulate_grad_batches=2"], run=False)
     assert not any(type(c).__name__ in ("RichProgressBar", "TQDMProgressBar") for c in cli.trainer.callbacks)
+    kinds = [type(c).__name__ for c in cli.trainer.callbacks]
+    assert kinds.index("K3ThroughputMonitor") < kinds.index("ProgressLines")  # so a line shows its own step's tok/s
     cli.trainer.fit(cli.model, cli.datamodule)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     train = [ln for ln in lines if "train/loss" in ln]
@@ -298,3 +300,17 @@ def test_max_time_counts_the_whole_run_and_null_lifts_it_on_resume(tmp_path, cac
     main(fit_args(tmp_path, cache, 4, "--trainer.val_check_interval=2", "--trainer.max_time=null", "--ckpt_path",
                   "last"))
     assert torch.load(last, weights_only=False)["global_step"] == 4
+
+
+def test_progress_lines_show_the_throughput_just_logged(tmp_path, cache, monkeypatch, caplog):
+    """The tok/s of a progress line is the `train/device/items_per_sec` logged at the same step."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    args = [a for a in fit_args(tmp_path, cache, 6) if a != "--trainer.enable_progress_bar=false"]
+    caplog.set_level("INFO")
+    main(args + ["--trainer.log_every_n_steps=2", "--trainer.callbacks+=k3lit.train.callbacks.K3ThroughputMonitor",
+                 "--trainer.callbacks.window_size=2"])
+    lines = {int(m.group(1)): m.group(2) for r in caplog.records
+             if (m := re.match(r"step (\d+)/6 · train/loss .* · ([\d,]+) tok/s per device$", r.getMessage()))}
+    logged = read_metric(tmp_path, "train/device/items_per_sec")
+    assert set(lines) == {2, 4, 6}  # every line has it: the rolling window (2 steps) is full at step 2
+    assert all(lines[s] == f"{logged[s - 1]:,.0f}" for s in lines)  # logged at step s - 1 (0-based) = line s

@@ -33,7 +33,9 @@ class ProgressLines(ProgressBar):
     (``val/...`` metrics): the progress of a run whose stdout is a file (a SLURM job, ``make train > log``),
     where a live progress bar prints nothing useful.
 
-    A Lightning ``ProgressBar``, so the trainer adds no tqdm bar beside it.
+    A Lightning ``ProgressBar``, so the trainer adds no tqdm bar beside it. The tok/s figure is the latest that a
+    :class:`K3ThroughputMonitor` computed (none in the first ``window_size`` steps); the monitor must come before
+    this callback in ``trainer.callbacks`` to report the same step (K3CLI orders them so), else it is one line old.
 
     Args:
         every_n_steps: optimizer steps between lines; default the trainer's ``log_every_n_steps``.
@@ -55,7 +57,9 @@ class ProgressLines(ProgressBar):
         metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
         parts = [f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
         parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items())]
-        tps = trainer.callback_metrics.get("train/device/items_per_sec")
+        # ThroughputMonitor logs straight to the loggers, so its values never reach trainer.callback_metrics
+        tps = next((m.last_metrics.get("train/device/items_per_sec") for m in trainer.callbacks
+                    if isinstance(m, K3ThroughputMonitor)), None)
         if prefix == "train/" and tps is not None:
             parts.append(f"{float(tps):,.0f} tok/s per device")
         return " · ".join(parts)
@@ -96,6 +100,18 @@ class K3ThroughputMonitor(ThroughputMonitor):
         )
         self._override_flops = available_flops
         self._flops_cache: dict[tuple[int, int], float] = {}
+        self.last_metrics: dict[str, float] = {}  # what was last logged, for ProgressLines
+
+    @override
+    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
+        """Lightning's (log the rolling throughput to the loggers), keeping what it logged in :attr:`last_metrics`."""
+        if not trainer._logger_connector.should_update_logs:
+            return
+        stage = trainer.state.stage
+        throughput = self._throughputs[stage]
+        metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
+        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+        self.last_metrics.update(metrics)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
