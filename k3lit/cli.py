@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
-from k3lit.model import RUNTIME_FIELDS, ModelConfig
+from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, ProgressLines, SlurmRequeue
 from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_full_checkpoint
 from k3lit.train.csv_log import RunCSVLogger
@@ -181,11 +181,12 @@ def generate_main(argv: list[str]) -> None:
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
     parser.add_argument("--prompt", type=str, default="def ")
     parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top_k", type=int | None, default=50)
+    parser.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    parser.add_argument("--top_k", type=int | None, default=50, help=">= 1, or null to keep every token")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     ckpt = load_full_checkpoint(args.ckpt)
     module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])

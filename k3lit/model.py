@@ -7,6 +7,7 @@ Reads top-down: ``ModelConfig`` → ``K3LM`` (embedding, sublayers joined by the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -379,6 +380,7 @@ class K3LM(nn.Module):
         """
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"prompt must be [B, T0] with T0 >= 1, got {tuple(idx.shape)}")
+        check_sampling(max_new_tokens, temperature, top_k)
         logits, states = self(idx, return_state=True)
         out = [idx]
         for _ in range(max_new_tokens):
@@ -487,6 +489,16 @@ def _attnres_segment(
         else:
             stream.add(_read_and_apply(sub, *stream.sources()))
     return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Raise ValueError naming the setting (``k3lit generate``'s flag of the same name) and its valid range."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} (--max_new_tokens): must be >= 0")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature} (--temperature): must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} (--top_k): must be >= 1, or None (null on the command line) for all tokens")
 
 
 def sample_next(

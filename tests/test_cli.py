@@ -314,3 +314,10 @@ def test_progress_lines_show_the_throughput_just_logged(tmp_path, cache, monkeyp
     logged = read_metric(tmp_path, "train/device/items_per_sec")
     assert set(lines) == {2, 4, 6}  # every line has it: the rolling window (2 steps) is full at step 2
     assert all(lines[s] == f"{logged[s - 1]:,.0f}" for s in lines)  # logged at step s - 1 (0-based) = line s
+
+
+@pytest.mark.parametrize("flag", [["--top_k", "0"], ["--temperature", "-1"]])
+def test_generate_checks_sampling_flags_before_loading(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--ckpt", str(tmp_path / "not_read.ckpt"), *flag])
+    assert e.value.code == 2 and f"({flag[0]}): must be" in capsys.readouterr().err

@@ -94,6 +94,18 @@ def test_greedy_generation_equals_recompute(seed):
     assert torch.equal(out, seq)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"top_k": 0}, r"top_k=0 \(--top_k\): must be >= 1, or None"),
+    ({"temperature": -1.0}, r"temperature=-1.0 \(--temperature\): must be a finite number >= 0"),
+    ({"temperature": float("nan")}, r"temperature=nan"),
+    ({"max_new_tokens": -1}, r"max_new_tokens=-1 \(--max_new_tokens\): must be >= 0"),
+])
+def test_generate_rejects_bad_sampling_settings(kwargs, message):
+    model = build().eval()
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), **{"max_new_tokens": 2, **kwargs})
+
+
 def test_router_bias_stays_float32_under_bf16():
     model = K3LM(TINY).to(torch.bfloat16)
     for moe in model.moe_layers():
