@@ -153,7 +153,7 @@ def _intra_fwd(
     # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
     L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
     B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    offc = _cc_offsets(tok, i_h, rows, H, C)
     tl.store(Aq + offc, B_qk, mask=m_t[:, None])
     tl.store(Mi + offc, L, mask=m_t[:, None])  # _wy_fwd replaces L by M = (I + L)^-1
 
@@ -177,7 +177,7 @@ def _wy_fwd(
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    offc = _cc_offsets(tok, i_h, rows, H, C)
     L = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     X = (rows[:, None] == rows[None, :]).to(tl.float32)
@@ -244,6 +244,38 @@ def _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H: tl.constexpr, K: t
 
 
 @triton.jit
+def _state_start(ptr, i_nh, rk, cv, m_k, m_v, K: tl.constexpr, V: tl.constexpr, LOAD: tl.constexpr,
+                 TRANS: tl.constexpr):
+    """A scan program's tile of the ``[K, V]`` state of sequence x head ``i_nh``: ``(off, msk, base, S)`` with the
+    tile's offsets in one state and its mask (``[BK, BV]``, or ``[BV, BK]`` with ``TRANS``, element (v, k) being
+    S[k, v]), the int64 offset of that state in an ``[N, H, K, V]`` tensor, and its starting value in float32:
+    read from ``ptr`` with ``LOAD``, else zeros."""
+    if TRANS:
+        off = cv[:, None] + rk[None, :] * V
+        msk = m_v[:, None] & m_k[None, :]
+    else:
+        off = rk[:, None] * V + cv[None, :]
+        msk = m_k[:, None] & m_v[None, :]
+    base = i_nh.to(tl.int64) * (K * V)
+    S = tl.zeros(off.shape, dtype=tl.float32)
+    if LOAD:
+        S += tl.load(ptr + base + off, mask=msk, other=0.0).to(tl.float32)
+    return off, msk, base, S
+
+
+@triton.jit
+def _g_last(Gc, t0, n_valid, i_h, rk, m_k, H: tl.constexpr, K: tl.constexpr):
+    """The ``[BK]`` cumulative log-decay of a chunk's last valid row, G_last."""
+    return tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+
+
+@triton.jit
+def _cc_offsets(tok, i_h, rows, H: tl.constexpr, C: tl.constexpr):
+    """Offsets of a chunk's ``[C, C]`` tile (Aq, L or M) in a ``[T_total, H, C]`` tensor."""
+    return tok[:, None] * (H * C) + i_h * C + rows[None, :]
+
+
+@triton.jit
 def _scan_fwd(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -251,11 +283,7 @@ def _scan_fwd(
 ):
     """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_s = rk[:, None] * V + cv[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_H0:
-        S += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + off_s, mask=m_kv, other=0.0).to(tl.float32)
+    off_s, m_kv, base, S = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, False)
     for it in range(0, n_chunks):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
@@ -265,10 +293,10 @@ def _scan_fwd(
         b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
         tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * (K * V) + off_s, S, mask=m_kv)
+        tl.store(ht + base + off_s, S, mask=m_kv)
 
 
 @triton.jit
@@ -283,11 +311,7 @@ def _scan_fwd_t(
     writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in place of
     :func:`_out_fwd`, so it stores the entering states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
-    m_vk = m_v[:, None] & m_k[None, :]
-    off_st = cv[:, None] + rk[None, :] * V  # element (v, k) of S^T is S[k, v]
-    St = tl.zeros([BV, BK], dtype=tl.float32)
-    if HAS_H0:
-        St += tl.load(h0 + i_nh.to(tl.int64) * (K * V) + off_st, mask=m_vk, other=0.0).to(tl.float32)
+    off_st, m_vk, base, St = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, True)
     for it in range(0, n_chunks):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
@@ -299,15 +323,15 @@ def _scan_fwd_t(
         if SAVE:
             tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
                                                                          F32)
         tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * (K * V) + off_st, St, mask=m_vk)
+        tl.store(ht + base + off_st, St, mask=m_vk)
 
 
 @triton.jit
@@ -334,7 +358,7 @@ def _out_fwd(
         b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc += _dot(_op(b_qg, F32), _op(b_h, F32), F32)
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    offc = _cc_offsets(tok, i_h, rows, H, C)
     b_a = tl.load(Aq + offc, mask=m_t[:, None], other=0.0)
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
     mv = m_t[:, None] & m_v[None, :]
@@ -360,20 +384,16 @@ def _scan_bwd(
         dS    <- Diag(exp(G_last)) dS + scale (Q⊙exp(G))^T dO - W^T dDelta
     """
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
-    m_kv = m_k[:, None] & m_v[None, :]
-    off_s = rk[:, None] * V + cv[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DHT:
-        dS += tl.load(dht + i_nh.to(tl.int64) * (K * V) + off_s, mask=m_kv, other=0.0).to(tl.float32)
+    off_s, m_kv, base, dS = _state_start(dht, i_nh, rk, cv, m_k, m_v, K, V, HAS_DHT, False)
     for j in range(0, n_chunks):
         it = n_chunks - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_kv)
         b_do = tl.load(do + offv, mask=mv, other=0.0)
-        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         b_dd = _dot(tl.trans(_op(b_a, F32)), _op(b_do, F32), F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
@@ -381,7 +401,7 @@ def _scan_bwd(
         dS = dS * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32), F32)
         dS -= _dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32), F32)
     if STORE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * (K * V) + off_s, dS, mask=m_kv)
+        tl.store(dh0 + base + off_s, dS, mask=m_kv)
 
 
 @triton.jit
@@ -396,20 +416,16 @@ def _scan_bwd_t(
         dS^T    <- dS^T Diag(exp(G_last)) + dO^T (scale Q⊙exp(G)) - dDelta^T W
     """
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
-    m_vk = m_v[:, None] & m_k[None, :]
-    off_st = cv[:, None] + rk[None, :] * V
-    dSt = tl.zeros([BV, BK], dtype=tl.float32)
-    if HAS_DHT:
-        dSt += tl.load(dht + i_nh.to(tl.int64) * (K * V) + off_st, mask=m_vk, other=0.0).to(tl.float32)
+    off_st, m_vk, base, dSt = _state_start(dht, i_nh, rk, cv, m_k, m_v, K, V, HAS_DHT, True)
     for j in range(0, n_chunks):
         it = n_chunks - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_st, dSt.to(dh.dtype.element_ty), mask=m_vk)
         b_dot = _op(tl.trans(tl.load(do + offv, mask=mv, other=0.0)), F32)  # dO^T [BV, C]
-        b_a = tl.load(Aq + tok[:, None] * (H * C) + i_h * C + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         b_ddt = _dot(b_dot, _op(b_a, F32), F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
         tl.store(dD + offv, tl.trans(b_ddt).to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
@@ -417,7 +433,7 @@ def _scan_bwd_t(
         dSt = dSt * tl.exp(g_last)[None, :] + _dot(b_dot, _op(b_qg, F32), F32)
         dSt -= _dot(_op(b_ddt, F32), _op(b_w, F32), F32)
     if STORE_DH0:
-        tl.store(dh0 + i_nh.to(tl.int64) * (K * V) + off_st, dSt, mask=m_vk)
+        tl.store(dh0 + base + off_st, dSt, mask=m_vk)
 
 
 @triton.jit
@@ -450,7 +466,7 @@ def _main_bwd(
     tok = t0 + rows
     m_lo = rows[:, None] > rows[None, :]
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    offc = tok[:, None] * (H * C) + i_h * C + rows[None, :]
+    offc = _cc_offsets(tok, i_h, rows, H, C)
     b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
     hbase = (i_c.to(tl.int64) * H + i_h) * K * V  # int64: chunks x H x K x V passes 2^31 at long T, many heads
     if L2:
@@ -536,7 +552,7 @@ def _main_bwd(
             b_q *= r_q[:, None]
             b_k *= r_k[:, None]
         b_G = tl.load(Gc + offk, mask=mk, other=0.0)
-        g_last = tl.load(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + rk, mask=m_k, other=0.0)
+        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         e_g = tl.exp(b_G)
         # W = M X, X = Diag(beta) K⊙exp(G)
         b_kg = b_k * e_g
