@@ -61,6 +61,33 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _tf32(x, F32: tl.constexpr):
+    """float32 ``x`` rounded to the nearest TF32 value (10-bit mantissa; ``cvt.rna``), unchanged with ``F32``.
+    The tensor cores read a float32 operand by dropping its 13 low mantissa bits: a truncation, always towards
+    zero, whose bias adds up in long sums (on the H200 it pushed the gate-bias gradient, a sum over every token,
+    past its tolerance). Operands rounded first are read exactly."""
+    if F32:
+        return x
+    else:
+        return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _dot_aq(a, b, F32: tl.constexpr):
+    """``a @ b`` for the products that form Aq (intra-chunk query-key scores) and those that use it, on operands
+    TF32 holds exactly: Aq is stored rounded to TF32 (:func:`_tf32`), its partners are bf16 (Delta, dO) or rounded
+    by the caller. TF32's mantissa is 8x finer than bfloat16's, and in bf16 these roundings made most of the
+    output's error: in the float64 emulation of benchmarks/kda_rounding.py (T 512, K = V = 64) rounding Aq's two
+    operands to bf16 alone gives o a relative RMS error of 2.4e-3, all roundings together 3.4e-3, and 1.7e-3 with
+    the Aq points in TF32 (the H200: 3.66e-3 -> 2.38e-3 at B2 T1024 H16 D128). 3xTF32 for float32 inputs."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+
+
+@triton.jit
 def _row(x, rows, i):
     """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
     return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
@@ -146,15 +173,15 @@ def _intra_fwd(
         g_last = _row(b_G, rows, n_valid - 1)
         tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
         tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
-        b_kdn = _op(b_k * dn, F32)
-        A += _dot(_op(b_k * up, F32), tl.trans(b_kdn), F32)
-        B_qk += _dot(_op(b_q * up, F32), tl.trans(b_kdn), F32)
+        b_kdn = b_k * dn
+        A += _dot(_op(b_k * up, F32), tl.trans(_op(b_kdn, F32)), F32)
+        B_qk += _dot_aq(_tf32(b_q * up, F32), tl.trans(_tf32(b_kdn, F32)), F32)
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
     L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
     B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
     offc = _cc_offsets(tok, i_h, rows, H, C)
-    tl.store(Aq + offc, B_qk, mask=m_t[:, None])
+    tl.store(Aq + offc, _tf32(B_qk, F32), mask=m_t[:, None])
     tl.store(Mi + offc, L, mask=m_t[:, None])  # _wy_fwd replaces L by M = (I + L)^-1
 
 
@@ -324,8 +351,7 @@ def _scan_fwd_t(
             tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
         b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
-        b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot(_op(b_dt, F32), tl.trans(_op(b_a, F32)),
-                                                                         F32)
+        b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot_aq(_op(b_dt, F32), tl.trans(b_a), F32)
         tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
@@ -363,7 +389,7 @@ def _out_fwd(
     offv = tok[:, None] * (H * V) + i_h * V + cv[None, :]
     mv = m_t[:, None] & m_v[None, :]
     b_d = tl.load(D + offv, mask=mv, other=0.0)
-    acc += _dot(_op(b_a, F32), _op(b_d, F32), F32)
+    acc += _dot_aq(b_a, b_d, F32)
     tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mv)
 
 
@@ -394,7 +420,7 @@ def _scan_bwd(
         b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
-        b_dd = _dot(tl.trans(_op(b_a, F32)), _op(b_do, F32), F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
+        b_dd = _dot_aq(tl.trans(b_a), b_do, F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
@@ -426,7 +452,7 @@ def _scan_bwd_t(
         b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
-        b_ddt = _dot(b_dot, _op(b_a, F32), F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
+        b_ddt = _dot_aq(b_dot, b_a, F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
         tl.store(dD + offv, tl.trans(b_ddt).to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
