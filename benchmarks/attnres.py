@@ -238,12 +238,13 @@ def mix_case(n: int, layout: str, shape: tuple[int, ...]) -> list[dict]:
 
 def mix_sweep(n: int, shape: tuple[int, ...]) -> str:
     """Forward and backward kernel times per row tile (block_rows), fp32 embedding + bf16 layout."""
-    from k3lit.kernels.attn_res.mix import _tiles, mix_bwd, mix_fwd
+    from k3lit.kernels.attn_res.common import row_tiles
+    from k3lit.kernels.attn_res.mix import mix_bwd, mix_fwd
 
     sources, u, grad = _mix_inputs(n, MIX_LAYOUTS["fp32 emb + bf16"], shape)
     sources = [s.detach() for s in sources]
     u = u.detach()
-    default = _tiles(shape[-1], None)[0]
+    default = row_tiles(shape[-1], None)[0]
     lines = [f"row-tile sweep, N = {n}, shape {tuple(shape)}, fp32 emb + bf16 (default block_rows {default})", "",
              "| block_rows | fwd ms | bwd ms |", "|---|---|---|"]
     for bt in (1, 2, 4, 8, 16):

@@ -23,7 +23,6 @@ from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.nn.mlp import SwiGLU
 from k3lit.nn.moe import MoE
-from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge, inv_rms
 from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
 
 LAYER_TYPES = {"K": "KDA", "A": "softmax attention"}
@@ -302,23 +301,12 @@ class K3LM(nn.Module):
                 h = h + out
                 new_states.append(st)
             return h, new_states
-        # Two-phase AttnRes: at each block start, one batched read of the completed summaries for all of the
-        # block's sublayers (phase 1); each sublayer then merges in the running partial sum (phase 2).
+        # Two-phase AttnRes: at each block start, one read of the completed summaries for all of the block's
+        # sublayers (phase 1); each sublayer then merges in the running partial sum (phase 2).
         stream = BlockResidualStream([x], self.block_size, self.config.norm_eps)
         subs = list(self.sublayers)
-        for j, (sub, st) in enumerate(zip(subs, states)):
-            if stream.n_in_block == 0:
-                block_subs = subs[j : j + self.block_size]
-                queries = torch.stack([s.res_mixer.effective_query for s in block_subs])
-                blocks_inv_rms = [inv_rms(b, stream.eps) for b in stream.blocks]
-                mix, lse = attn_res_inter_block(stream.blocks, blocks_inv_rms, queries)
-            i = stream.n_in_block
-            if stream.partial is None:
-                h = mix[i].to(x.dtype)
-            else:
-                q = sub.res_mixer.effective_query
-                h = attn_res_merge(mix[i], lse[i], stream.partial, inv_rms(stream.partial, stream.eps), q)
-            out, st = sub(h, st, True)
+        for sub, st, args in zip(subs, states, stream.reads([s.res_mixer for s in subs])):
+            out, st = sub(sub.res_mixer.read(*args), st, True)
             stream.add(out)
             new_states.append(st)
         return self.final_res_mixer(stream.sources()), new_states
@@ -466,8 +454,9 @@ def _plain_segment(subs: list[Sublayer], per_sublayer: Any, h: torch.Tensor) -> 
     return (h,)
 
 
-def _read_and_apply(sub: Sublayer, *sources: torch.Tensor) -> torch.Tensor:
-    return sub(sub.res_mixer(list(sources)))[0]
+def _read_and_apply(sub: Sublayer, *read: torch.Tensor) -> torch.Tensor:
+    """``sub``'s output from its two-phase read (:meth:`BlockResidualStream.reads`)."""
+    return sub(sub.res_mixer.read(*read))[0]
 
 
 def _attnres_segment(
@@ -483,11 +472,11 @@ def _attnres_segment(
     and the new partial sum (if the last block is still open)."""
     blocks = list(state[:-1] if has_partial else state)
     stream = BlockResidualStream(blocks, block_size, eps, state[-1] if has_partial else None, n_in_block)
-    for sub in subs:
+    for sub, read in zip(subs, stream.reads([s.res_mixer for s in subs])):
         if per_sublayer:
-            stream.add(per_sublayer(partial(_read_and_apply, sub), *stream.sources()))
+            stream.add(per_sublayer(partial(_read_and_apply, sub), *read))
         else:
-            stream.add(_read_and_apply(sub, *stream.sources()))
+            stream.add(_read_and_apply(sub, *read))
     return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())
 
 

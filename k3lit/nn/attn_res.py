@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from k3lit.ops.attn_res import attn_res_mix
+from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge, attn_res_mix
 
 
 class AttnResMixer(nn.Module):
@@ -33,6 +35,14 @@ class AttnResMixer(nn.Module):
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         return attn_res_mix(sources, self.effective_query, self.eps)
 
+    def read(
+        self, mix: torch.Tensor, lse: torch.Tensor | None = None, partial: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The sublayer's input from what :meth:`BlockResidualStream.reads` yields: the phase-1 ``mix`` alone
+        (first sublayer of a block), or merged with the block's ``partial`` sum (phase 2, ``lse`` the mix's
+        log-sum-exp). ``[B, T, D]`` in mix's dtype."""
+        return mix if partial is None else attn_res_merge(mix, lse, partial, self.effective_query, self.eps)
+
 
 class BlockResidualStream:
     """Block AttnRes bookkeeping over one forward pass, block size S counted in **sublayers**.
@@ -54,6 +64,21 @@ class BlockResidualStream:
         self.blocks = list(blocks)  # [b_0 = embedding, b_1, ...], each [B, T, D]
         self.partial = partial
         self.n_in_block = n_in_block
+
+    def reads(self, mixers: list[AttnResMixer]) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Two-phase reads for consecutive sublayers from the stream's position, one tuple per mixer in turn:
+        ``(mix,)`` at a block's first sublayer, ``(mix, lse, partial)`` after it; :meth:`AttnResMixer.read` turns
+        it into the sublayer's input. The caller must :meth:`add` each sublayer's output before asking for the
+        next tuple. At each block start (or at the first mixer) one phase-1 read of the completed summaries serves
+        every mixer up to the block's end (:func:`k3lit.ops.attn_res.attn_res_inter_block`)."""
+        k = 0
+        while k < len(mixers):
+            ahead = mixers[k : k + self.block_size - self.n_in_block]
+            queries = torch.stack([m.effective_query for m in ahead])
+            mixes, lse = attn_res_inter_block(self.blocks, queries, self.eps)
+            for j, mix in enumerate(mixes):
+                yield (mix,) if self.partial is None else (mix, lse[j], self.partial)
+            k += len(ahead)
 
     def sources(self) -> list[torch.Tensor]:
         """Current sources: the block summaries, then the partial sum if any."""

@@ -88,16 +88,11 @@ def attn_res_mix(
     """
     if not sources:
         raise ValueError("attn_res_mix needs at least one source")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    kernels = _dispatch(backend, sources[0])
     if backend == "triton":
-        from k3lit.kernels.attn_res import attn_res_mix_triton
-
-        return attn_res_mix_triton(sources, query, eps)
-    if backend == "auto" and sources[0].is_cuda:
-        kernels = _kernels()
-        if kernels is not None and kernels.unsupported(sources, query) is None:  # checked once, here
-            return kernels.fused_mix(sources, query, eps)
+        return kernels.attn_res_mix_triton(sources, query, eps)
+    if kernels is not None and kernels.unsupported(sources, query) is None:  # checked once, here
+        return kernels.fused_mix(sources, query, eps)
     return _AttnResMix.apply(query, eps, *sources)
 
 
@@ -122,35 +117,74 @@ def attn_res_reference(
 
 
 def attn_res_inter_block(
-    blocks: list[torch.Tensor], blocks_inv_rms: list[torch.Tensor], queries: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Phase 1 of two-phase Block AttnRes (decoding): the softmax mix over the N completed block summaries for
-    all S sublayers of the current block in one batched product, with its log-sum-exp for the later merge.
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-6, backend: str = "auto"
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Phase 1 of two-phase Block AttnRes (arXiv 2603.15031 §4): the softmax mix over the N completed block
+    summaries for all S sublayers of a block, in one read of the summaries, with each mix's log-sum-exp for the
+    merge with the partial sum (:func:`attn_res_merge`). Used in training and in decoding.
 
     Args:
-        blocks: N summaries ``[B, T, D]``; ``blocks_inv_rms``: their ``[B, T]`` from :func:`inv_rms`.
+        blocks: N summaries ``[B, T, D]`` (dtypes may differ, as in :func:`attn_res_mix`).
         queries: ``[S, D]`` the S sublayers' ``w ⊙ γ``.
+        eps: the RMSNorm epsilon.
+        backend: as :func:`attn_res_mix` (Triton: :func:`k3lit.kernels.attn_res.inter_block_triton`).
 
     Returns:
-        ``(mix [S, B, T, D], lse [S, B, T])`` in float32 (float64 for float64 blocks).
+        ``(mixes, lse)``: S tensors ``[B, T, D]`` in ``blocks[0]``'s dtype, and ``lse [S, B, T]`` in float32
+        (float64 for float64 blocks); ``mixes[j]`` equals :func:`attn_res_mix` of the blocks with query j.
+
+    Raises:
+        ValueError: no blocks, an unknown backend, or ``"triton"`` for inputs the kernels do not take.
     """
+    if not blocks:
+        raise ValueError("attn_res_inter_block needs at least one block")
+    kernels = _dispatch(backend, blocks[0])
+    if backend == "triton":
+        return kernels.inter_block_triton(blocks, queries, eps)
+    if kernels is not None and kernels.unsupported_inter(blocks, queries) is None:
+        return kernels.fused_inter_block(blocks, queries, eps)
     acc = torch.promote_types(blocks[0].dtype, torch.float32)
-    V = torch.stack(blocks)  # [N, B, T, D]
-    logits = torch.einsum("nbtd,sd->snbt", V, queries.to(V.dtype)).to(acc) * torch.stack(blocks_inv_rms)
-    lse = torch.logsumexp(logits, dim=1)  # [S, B, T]
-    mix = torch.einsum("snbt,nbtd->sbtd", torch.exp(logits - lse[:, None]), V.to(acc))
-    return mix, lse
+    u = queries.to(acc)
+    logits = torch.stack([(b.to(acc) @ u.T) * inv_rms(b, eps)[..., None] for b in blocks])  # [N, B, T, S]
+    lse = torch.logsumexp(logits, dim=0)  # [B, T, S]
+    a = torch.exp(logits - lse)
+    mixes = [sum(a[i, ..., j, None] * b.to(acc) for i, b in enumerate(blocks)).to(blocks[0].dtype)
+             for j in range(queries.shape[0])]
+    return mixes, lse.movedim(-1, 0)
 
 
 def attn_res_merge(
-    mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, partial_inv_rms: torch.Tensor, query: torch.Tensor
+    mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float = 1e-6,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Phase 2: online-softmax merge of one sublayer's inter-block ``mix`` (``[B, T, D]``, log-sum-exp ``lse``
-    ``[B, T]``) with the block's partial sum ``[B, T, D]``; equals :func:`attn_res_mix` over blocks + partial.
+    ``[B, T]``) with its block's partial sum ``[B, T, D]``; equals :func:`attn_res_mix` over blocks + partial.
 
-    The inter-block part weighs ``e^lse / (e^lse + e^l_p) = sigmoid(lse - l_p)`` with ``l_p`` the partial's logit.
-    Returns ``[B, T, D]`` in the partial's dtype.
+    The inter-block part weighs ``e^lse / (e^lse + e^l_p) = sigmoid(lse - l_p)``, ``l_p`` the partial's logit
+    ``(u·partial) / rms(partial)``. ``query``: ``[D]``, ``w ⊙ γ``. ``backend`` as :func:`attn_res_mix`
+    (Triton: :func:`k3lit.kernels.attn_res.merge_triton`). Returns ``[B, T, D]`` in mix's dtype.
+
+    Raises:
+        ValueError: an unknown backend, or ``"triton"`` for inputs the kernels do not take.
     """
-    l_p = (partial @ query.to(partial.dtype)).to(mix.dtype) * partial_inv_rms
+    kernels = _dispatch(backend, mix)
+    if backend == "triton":
+        return kernels.merge_triton(mix, lse, partial, query, eps)
+    if kernels is not None and kernels.unsupported_merge(mix, lse, partial, query) is None:
+        return kernels.fused_merge(mix, lse, partial, query, eps)
+    acc = lse.dtype
+    l_p = (partial.to(acc) @ query.to(acc)) * inv_rms(partial, eps)
     w = torch.sigmoid(lse - l_p)[..., None]
-    return (w * mix + (1 - w) * partial.to(mix.dtype)).to(partial.dtype)
+    return (w * mix.to(acc) + (1 - w) * partial.to(acc)).to(mix.dtype)
+
+
+def _dispatch(backend: str, first: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels module where ``backend`` asks for them (``"triton"``) or may use them (``"auto"`` on CUDA
+    tensors); None for the PyTorch form."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        import k3lit.kernels.attn_res as kernels
+
+        return kernels
+    return _kernels() if backend == "auto" and first.is_cuda else None

@@ -18,60 +18,25 @@ gradients, which need ``g·out``); the second read of a tile is meant to come fr
 on a fixed grid, so ``du`` is reduced on chip per program and the ``[programs, D]`` partials are summed in
 torch: deterministic, no atomics (activation checkpointing recomputes the same bits).
 
-Sources arrive as separate tensors (stacking them would copy them all): a small int64 table on the device
-holds their addresses, a dtype code per source (0 float32, 1 bfloat16, 2 float16, so the float32 embedding
-and bf16 sublayer outputs mix without a copy) and, for the backward, the addresses of their gradients. Tables
-are cached by content (training reuses the same addresses every step), so a launch usually copies nothing.
-One compiled kernel serves every N; the loop over sources is a runtime loop. When every address is 16-byte
-aligned (always, for tensors that start their storage) the kernels are told so and load 16 bytes per access.
+Sources arrive as one device table of addresses and dtype codes (``common.py``), with the addresses of their
+gradients for the backward. One compiled kernel serves every N; the loop over sources is a runtime loop.
 """
 
 from __future__ import annotations
-
-import functools
-from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_DIM = 8192  # a whole row per tile: at 16 warps, 16 values per thread and tile
-# 16 values per thread and tile (BT * BD = 2048 at 4 warps): sm_90 compiles of the forward / backward then take
-# about 64 / 93 registers at D = 1024 (BT = 2), no spills, so 8 / 5 programs share an SM.
-ELEMS_PER_THREAD = 16
-
-
-@triton.jit
-def _typed(addr, DT: tl.constexpr, ALIGNED: tl.constexpr):
-    p = addr.to(tl.pointer_type(DT))
-    if ALIGNED:  # every address in the table is 16-byte aligned (checked on the host): vector loads
-        p = tl.multiple_of(p, 16)
-    return p
-
-
-@triton.jit
-def _load_f32(addr, code, base, offs, mask, ALIGNED: tl.constexpr):
-    """The ``[BT, BD]`` tile at ``addr + base + offs`` (elements) of a tensor of dtype ``code``, as float32 (0
-    where masked). ``base`` is the tile's int64 first element, ``offs`` int32 offsets within the tile."""
-    if code == 0:
-        x = tl.load(_typed(addr, tl.float32, ALIGNED) + base + offs, mask=mask, other=0.0)
-    elif code == 1:
-        x = tl.load(_typed(addr, tl.bfloat16, ALIGNED) + base + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(_typed(addr, tl.float16, ALIGNED) + base + offs, mask=mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _store_as(addr, code, base, offs, mask, x, ALIGNED: tl.constexpr):
-    """Store the float32 tile ``x`` at ``addr + base + offs`` converted to dtype ``code``."""
-    if code == 0:
-        tl.store(_typed(addr, tl.float32, ALIGNED) + base + offs, x, mask=mask)
-    elif code == 1:
-        tl.store(_typed(addr, tl.bfloat16, ALIGNED) + base + offs, x.to(tl.bfloat16), mask=mask)
-    else:
-        tl.store(_typed(addr, tl.float16, ALIGNED) + base + offs, x.to(tl.float16), mask=mask)
+from k3lit.kernels.attn_res.common import (
+    DTYPE_CODES,
+    address_table,
+    aligned,
+    load_f32,
+    max_programs,
+    row_tiles,
+    store_as,
+)
 
 
 @triton.jit
@@ -91,7 +56,7 @@ def _mix_fwd(
     z = tl.zeros([BT], tl.float32)
     acc = tl.zeros([BT, BD], tl.float32)
     for i in range(N):
-        s = _load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
         r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
         su = tl.sum(s * u[None, :], axis=1)
         l = su * r
@@ -130,13 +95,13 @@ def _mix_bwd(
         inv_z = 1.0 / tl.load(z_ptr + rows, mask=m_row, other=1.0)
         g_out = tl.zeros([BT], tl.float32)  # g·out = Σ a_i g·s_i
         for i in range(N):
-            s = _load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
             su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
             g_out += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
         for i in range(N):
             code = tl.load(table + N + i)
-            s = _load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
+            s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
             su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
             a = tl.exp(su * r - m) * inv_z
@@ -144,55 +109,9 @@ def _mix_bwd(
             c_u = dl * r
             c_s = dl * su * r * r * r / D
             ds = a[:, None] * g + c_u[:, None] * u[None, :] - c_s[:, None] * s
-            _store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
+            store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
             du += tl.sum(c_u[:, None] * s, axis=0)
     tl.store(du_part + pid * D + cols, du, mask=m_col)
-
-
-def _tiles(D: int, block_rows: int | None) -> tuple[int, int, int]:
-    """``(BT, BD, num_warps)``: whole rows, at least 4 warps, ELEMS_PER_THREAD values per thread and tile."""
-    BD = triton.next_power_of_2(D)
-    BT = block_rows or max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // BD))
-    return BT, BD, max(4, min(16, BT * BD // (32 * ELEMS_PER_THREAD)))
-
-
-# Device copies of recent tables, keyed by (device, stream, content). Training allocates the same tensors at the
-# same addresses step after step, so most launches find their table here and skip a pinned allocation and a
-# host-to-device copy. A table holds only addresses and codes, so one equal in content is valid for any
-# tensors at those addresses; the stream in the key keeps a kernel from reading a copy another stream has not
-# finished. 4096 entries of a few hundred bytes.
-_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_TABLES_MAX = 4096
-
-
-def _table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
-    """The int64 address/code table on ``device`` (on CUDA a cached copy, or a pinned asynchronous copy: no host
-    sync)."""
-    flat = tuple(v for col in columns for v in col)
-    if device.type != "cuda":
-        return torch.tensor(flat, dtype=torch.int64)
-    key = (device, torch.cuda.current_stream(device).cuda_stream, flat)
-    table = _TABLES.get(key)
-    if table is None:
-        table = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-        _TABLES[key] = table
-        if len(_TABLES) > _TABLES_MAX:
-            _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
-    return table
-
-
-@functools.cache
-def _max_programs(device: torch.device) -> int:
-    """Backward grid: 4 programs per SM on CUDA; 3 under the interpreter so tests run the tile loop unevenly."""
-    if device.type != "cuda":
-        return 3
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _aligned(addrs: list[int]) -> bool:
-    return all(a % 16 == 0 for a in addrs)
 
 
 def mix_fwd(
@@ -219,11 +138,11 @@ def mix_fwd(
     if M == 0:
         return out, src_stats, row_stats
     addrs = [s.data_ptr() for s in sources]
-    table = _table([addrs, [DTYPE_CODES[s.dtype] for s in sources]], first.device)
-    BT, BD, warps = _tiles(D, block_rows)
+    table = address_table([addrs, [DTYPE_CODES[s.dtype] for s in sources]], first.device)
+    BT, BD, warps = row_tiles(D, block_rows)
     _mix_fwd[(triton.cdiv(M, BT),)](
         table, query, out, src_stats[0], src_stats[1], row_stats[0], row_stats[1], M, N, eps,
-        D=D, BT=BT, BD=BD, ALIGNED=_aligned(addrs), num_warps=warps)
+        D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs), num_warps=warps)
     return out, src_stats, row_stats
 
 
@@ -239,14 +158,14 @@ def mix_bwd(
     d_sources = [torch.empty_like(s) for s in sources]
     if M == 0:
         return d_sources, torch.zeros(D, dtype=torch.float32, device=first.device)
-    BT, BD, warps = _tiles(D, block_rows)
+    BT, BD, warps = row_tiles(D, block_rows)
     n_tiles = triton.cdiv(M, BT)
-    programs = min(n_tiles, _max_programs(first.device))
+    programs = min(n_tiles, max_programs(first.device))
     du_part = first.new_empty(programs, D, dtype=torch.float32)
     addrs = [s.data_ptr() for s in sources]
     d_addrs = [d.data_ptr() for d in d_sources]
-    table = _table([addrs, [DTYPE_CODES[s.dtype] for s in sources], d_addrs], first.device)
+    table = address_table([addrs, [DTYPE_CODES[s.dtype] for s in sources], d_addrs], first.device)
     _mix_bwd[(programs,)](
         table, query, grad, src_stats[0], src_stats[1], row_stats[0], row_stats[1], du_part, M, N, n_tiles,
-        D=D, BT=BT, BD=BD, ALIGNED=_aligned(addrs + d_addrs), num_warps=warps)
+        D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + d_addrs), num_warps=warps)
     return d_sources, du_part.sum(0)

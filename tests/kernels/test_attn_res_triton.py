@@ -190,13 +190,13 @@ def test_gpu_deterministic(seed):
 @gpu
 def test_gpu_address_tables_are_reused_and_stay_correct(seed):
     """The second mix of the same tensors copies no new address table; other tensors are mixed right."""
-    from k3lit.kernels.attn_res import mix
+    from k3lit.kernels.attn_res import common
 
     sources = leaves(3, (2, 64, 96), (torch.float32, torch.bfloat16), device="cuda")
     u = torch.randn(96, device="cuda")
     first = attn_res_mix(sources, u)
-    n_tables = len(mix._TABLES)
-    assert torch.equal(attn_res_mix(sources, u), first) and len(mix._TABLES) == n_tables
+    n_tables = len(common.TABLES)
+    assert torch.equal(attn_res_mix(sources, u), first) and len(common.TABLES) == n_tables
     others = leaves(3, (2, 64, 96), (torch.float32, torch.bfloat16), device="cuda")
     ref_in = [x.detach().double() for x in others]
     assert rel_rms(attn_res_mix(others, u), attn_res_reference(ref_in, u.double(), torch.ones_like(ref_in[0][0, 0])))\

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3lit.ops.attn_res import attn_res_mix, attn_res_reference, inv_rms
+from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge, attn_res_mix, attn_res_reference
 from k3lit.testing import rel_rms
 
 
@@ -51,16 +51,25 @@ def test_mix_bf16_matches_float64(seed):
         assert a.grad.dtype == torch.bfloat16 and rel_rms(a.grad, b.grad) < 5e-3
 
 
-def test_two_phase_equals_one_pass(seed):
-    """Inter-block batch (phase 1) merged with the partial sum (phase 2) = one softmax over all sources."""
-    from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge
-
-    blocks = [torch.randn(2, 3, 16, dtype=torch.float64) * (i + 1) for i in range(4)]
-    partial = torch.randn(2, 3, 16, dtype=torch.float64)
-    queries = torch.randn(3, 16, dtype=torch.float64)
-    inv = [inv_rms(b) for b in blocks]
-    mix, lse = attn_res_inter_block(blocks, inv, queries)
-    for s in range(3):
-        assert rel_rms(mix[s], attn_res_mix(blocks, queries[s])) < 1e-13
-        merged = attn_res_merge(mix[s], lse[s], partial, inv_rms(partial), queries[s])
-        assert rel_rms(merged, attn_res_mix(blocks + [partial], queries[s])) < 1e-13
+@pytest.mark.parametrize("n_blocks,n_queries", [(1, 1), (4, 3), (2, 4)])
+def test_two_phase_equals_one_pass_fwd_bwd(seed, n_blocks, n_queries):
+    """Phase 1 (one read of the blocks for every query) merged with the partial sum (phase 2) is the one softmax
+    over blocks + partial: outputs and the gradients of blocks, partial and queries, in float64."""
+    blocks = [(torch.randn(2, 3, 16, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(n_blocks)]
+    partial = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    queries = torch.randn(n_queries, 16, dtype=torch.float64, requires_grad=True)
+    mixes, lse = attn_res_inter_block(blocks, queries)
+    assert len(mixes) == n_queries and lse.shape == (n_queries, 2, 3)
+    two = [mixes[0]] + [attn_res_merge(mixes[j], lse[j], partial, queries[j]) for j in range(1, n_queries)]
+    one = [attn_res_mix(blocks, queries[0])] + [attn_res_mix(blocks + [partial], queries[j])
+                                                 for j in range(1, n_queries)]
+    dys = [torch.randn_like(o) for o in one]
+    leaves = blocks + [partial, queries]
+    g2 = torch.autograd.grad(sum((t * dy).sum() for t, dy in zip(two, dys)), leaves, allow_unused=True)
+    g1 = torch.autograd.grad(sum((o * dy).sum() for o, dy in zip(one, dys)), leaves, allow_unused=True)
+    for t, o in zip(two, one):
+        assert rel_rms(t, o) < 1e-13
+    for a, b in zip(g2, g1):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel_rms(a, b) < 1e-12

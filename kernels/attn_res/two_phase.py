@@ -1,0 +1,309 @@
+"""Triton kernels of two-phase Block AttnRes (k3lit.ops.attn_res, arXiv 2603.15031 §4) and their launchers.
+
+Phase 1 (``inter``): the S sublayers of a block all read the same completed block summaries ``s_1 … s_N``
+(``[D]`` per token row), each with its own query ``u_j`` (``w_j ⊙ γ_j``). One pass over the summaries serves
+all S queries::
+
+    r_i = 1 / sqrt(mean(s_i^2) + eps)    l_ij = (s_i·u_j) r_i    a_ij = softmax_i(l_ij)
+    mix_j = Σ_i a_ij s_i                 lse_j = log Σ_i exp(l_ij)
+
+Phase 2 (``merge``): sublayer j folds in its block's running partial sum ``p`` by the online-softmax rule::
+
+    l_p = (p·u_j) r_p    w = sigmoid(lse_j - l_p)    h = w mix_j + (1 - w) p
+
+which is the one-pass mix over ``[s_1 … s_N, p]`` (``k3lit.kernels.attn_res.mix``). The one-pass form reads
+every summary once per sublayer, its backward writes a gradient for every summary once per sublayer, and autograd
+adds those up: in a block of S sublayers, S reads, S gradient writes and S - 1 additions of full ``[B, T, D]``
+tensors per summary, where phase 1 makes one of each and phase 2 adds a read of ``mix_j`` and ``p`` per sublayer.
+
+Backward of phase 1, upstream ``g_j`` (of mix_j) and ``δ_j`` (of lse_j)::
+
+    dl_ij = a_ij (g_j·s_i - g_j·mix_j + δ_j)        with g_j·mix_j = Σ_i a_ij g_j·s_i (pass 1 over the sources)
+    ds_i = Σ_j [a_ij g_j + dl_ij (r_i u_j - (s_i·u_j) r_i^3 s_i / D)]        du_j = Σ_rows Σ_i dl_ij r_i s_i
+
+Backward of phase 2, upstream ``g``::
+
+    dmix = w g    δ = w (1 - w) g·(mix - p)    dl_p = -δ
+    dp = (1 - w) g + dl_p (r_p u - (p·u) r_p^3 p / D)    du = Σ_rows dl_p r_p p
+
+Phase 1 keeps the S queries as one ``[SP, BT, BD]`` register tile (SP = S rounded up to a power of two), so a
+launch takes at most ``INTER_TILE`` = SP x BD elements per row; :func:`query_groups` splits wider blocks into
+groups of queries, one launch each. Statistics are saved as in the one-pass kernel (``s_i·u_j``, ``r_i``, the
+softmax's max and denominator, not the log-sum-exp) so the backward rebuilds ``a_ij`` bit for bit. Both
+backwards loop over row tiles on a fixed grid and reduce ``du`` per program: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lit.kernels.attn_res.common import (
+    DTYPE_CODES,
+    ELEMS_PER_THREAD,
+    address_table,
+    aligned,
+    load_f32,
+    max_programs,
+    row_tiles,
+    store_as,
+)
+
+INTER_TILE = 8192  # SP x BD per row: the [SP, BT, BD] tiles (queries' accumulators, gradients) at 16 warps
+
+
+@triton.jit
+def _inter_fwd(
+    table, u_ptr, lse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, M, N, eps,
+    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
+    base = row0 * D
+    rows = row0 + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    js = tl.arange(0, SP)
+    m_row, m_col, m_j = rows < M, cols < D, js < S
+    mask = m_row[:, None] & m_col[None, :]
+    st_mask = m_j[:, None] & m_row[None, :]
+    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
+    u = tl.load(u_ptr + js[:, None] * D + cols[None, :], mask=m_j[:, None] & m_col[None, :], other=0.0)
+    u = u.to(tl.float32)
+    m = tl.full([SP, BT], float("-inf"), tl.float32)
+    z = tl.zeros([SP, BT], tl.float32)
+    acc = tl.zeros([SP, BT, BD], tl.float32)
+    for i in range(N):
+        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+        r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
+        su = tl.sum(s[None, :, :] * u[:, None, :], axis=2)  # [SP, BT]
+        l = su * r[None, :]
+        m_new = tl.maximum(m, l)
+        rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
+        p = tl.exp(l - m_new)
+        z = z * rescale + p
+        acc = acc * rescale[:, :, None] + p[:, :, None] * s[None, :, :]
+        m = m_new
+        tl.store(su_ptr + (js[:, None] * N + i) * M + rows[None, :], su, mask=st_mask)
+        tl.store(r_ptr + i * M + rows, r, mask=m_row)
+    out = acc / z[:, :, None]
+    code = tl.load(table + 2 * N)
+    for j in tl.static_range(S):
+        out_j = tl.sum(tl.where((js == j)[:, None, None], out, 0.0), axis=0)
+        store_as(tl.load(table + 2 * N + 1 + j), code, base, offs, mask, out_j, ALIGNED)
+    stat = js[:, None] * M + rows[None, :]
+    tl.store(m_ptr + stat, m, mask=st_mask)
+    tl.store(z_ptr + stat, z, mask=st_mask)
+    tl.store(lse_ptr + stat, m + tl.log(z), mask=st_mask)
+
+
+@triton.jit
+def _inter_bwd(
+    table, u_ptr, dlse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, du_part, M, N, n_tiles,
+    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    js = tl.arange(0, SP)
+    m_col, m_j = cols < D, js < S
+    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
+    m_u = m_j[:, None] & m_col[None, :]
+    u = tl.load(u_ptr + js[:, None] * D + cols[None, :], mask=m_u, other=0.0).to(tl.float32)
+    du = tl.zeros([SP, BD], tl.float32)
+    g_code = tl.load(table + 3 * N)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        row0 = tl.cast(tile, tl.int64) * BT
+        base = row0 * D
+        rows = row0 + tl.arange(0, BT)
+        m_row = rows < M
+        mask = m_row[:, None] & m_col[None, :]
+        st_mask = m_j[:, None] & m_row[None, :]
+        stat = js[:, None] * M + rows[None, :]
+        g = tl.zeros([SP, BT, BD], tl.float32)
+        for j in tl.static_range(S):
+            g_j = load_f32(tl.load(table + 3 * N + 1 + j), g_code, base, offs, mask, ALIGNED)
+            g = tl.where((js == j)[:, None, None], g_j[None, :, :], g)
+        m = tl.load(m_ptr + stat, mask=st_mask, other=0.0)
+        inv_z = 1.0 / tl.load(z_ptr + stat, mask=st_mask, other=1.0)
+        g_out = tl.zeros([SP, BT], tl.float32)  # g_j·mix_j - δ_j
+        for i in range(N):
+            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            su = tl.load(su_ptr + (js[:, None] * N + i) * M + rows[None, :], mask=st_mask, other=0.0)
+            r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+            a = tl.exp(su * r[None, :] - m) * inv_z
+            g_out += a * tl.sum(g * s[None, :, :], axis=2)
+        if HAS_DLSE:
+            g_out -= tl.load(dlse_ptr + stat, mask=st_mask, other=0.0)
+        for i in range(N):
+            code = tl.load(table + N + i)
+            s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
+            su = tl.load(su_ptr + (js[:, None] * N + i) * M + rows[None, :], mask=st_mask, other=0.0)
+            r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+            a = tl.exp(su * r[None, :] - m) * inv_z
+            dl = a * (tl.sum(g * s[None, :, :], axis=2) - g_out)  # [SP, BT]
+            c_u = dl * r[None, :]
+            c_s = tl.sum(dl * su, axis=0) * r * r * r / D  # [BT]
+            ds = tl.sum(a[:, :, None] * g + c_u[:, :, None] * u[:, None, :], axis=0) - c_s[:, None] * s
+            store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
+            du += tl.sum(c_u[:, :, None] * s[None, :, :], axis=1)
+    tl.store(du_part + pid * (S * D) + js[:, None] * D + cols[None, :], du, mask=m_u)
+
+
+@triton.jit
+def _merge_fwd(
+    mix, lse, p_ptr, u_ptr, h, M, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
+    base = row0 * D
+    rows = row0 + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    m_row, m_col = rows < M, cols < D
+    mask = m_row[:, None] & m_col[None, :]
+    offs = base + tl.arange(0, BT)[:, None] * D + cols[None, :]
+    u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
+    x = tl.load(mix + offs, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    l_p = tl.sum(p * u[None, :], axis=1) * tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
+    w = 1.0 / (1.0 + tl.exp(l_p - tl.load(lse + rows, mask=m_row, other=0.0)))
+    tl.store(h + offs, (w[:, None] * x + (1.0 - w)[:, None] * p).to(h.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_bwd(
+    g_ptr, mix, lse, p_ptr, u_ptr, dmix, dlse, dp, du_part, M, n_tiles, eps,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    m_col = cols < D
+    u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
+    du = tl.zeros([BD], tl.float32)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        row0 = tl.cast(tile, tl.int64) * BT
+        rows = row0 + tl.arange(0, BT)
+        m_row = rows < M
+        mask = m_row[:, None] & m_col[None, :]
+        offs = row0 * D + tl.arange(0, BT)[:, None] * D + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(mix + offs, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r_p = tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
+        su_p = tl.sum(p * u[None, :], axis=1)
+        w = 1.0 / (1.0 + tl.exp(su_p * r_p - tl.load(lse + rows, mask=m_row, other=0.0)))
+        d = w * (1.0 - w) * tl.sum(g * (x - p), axis=1)  # δ, the gradient of lse
+        tl.store(dlse + rows, d, mask=m_row)
+        tl.store(dmix + offs, (w[:, None] * g).to(dmix.dtype.element_ty), mask=mask)
+        c_u = -d * r_p
+        c_s = -d * su_p * r_p * r_p * r_p / D
+        d_p = (1.0 - w)[:, None] * g + c_u[:, None] * u[None, :] - c_s[:, None] * p
+        tl.store(dp + offs, d_p.to(dp.dtype.element_ty), mask=mask)
+        du += tl.sum(c_u[:, None] * p, axis=0)
+    tl.store(du_part + pid * D + cols, du, mask=m_col)
+
+
+def query_groups(S: int, D: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: consecutive query groups of at most ``INTER_TILE / BD`` (a power of two) each,
+    one phase-1 launch per group."""
+    size = max(1, INTER_TILE // triton.next_power_of_2(D))
+    return [(j, min(S, j + size)) for j in range(0, S, size)]
+
+
+def _inter_tiles(S: int, D: int) -> tuple[int, int, int, int]:
+    """``(SP, BT, BD, num_warps)`` for phase 1: ELEMS_PER_THREAD values of the ``[SP, BT, BD]`` tile per thread."""
+    SP, BD = triton.next_power_of_2(S), triton.next_power_of_2(D)
+    BT = max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // (SP * BD)))
+    return SP, BT, BD, max(4, min(16, SP * BT * BD // (32 * ELEMS_PER_THREAD)))
+
+
+def inter_fwd(
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 1 forward on validated inputs (one query group: S x BD <= INTER_TILE).
+
+    Args:
+        blocks: N contiguous ``[..., D]`` summaries of one shape (float32 / bfloat16 / float16, may differ).
+        queries: ``[S, D]`` contiguous.
+
+    Returns:
+        ``(mixes, lse, su, r, mz)``: S mixes ``[..., D]`` in blocks[0]'s dtype; ``lse [S, ...]`` float32; for
+        the backward ``su [S, N, M]`` (``s_i·u_j``), ``r [N, M]`` (``1/rms(s_i)``) and ``mz [2, S, M]`` (the
+        softmax's max and denominator), float32, M = number of rows.
+    """
+    first = blocks[0]
+    D, N, S = first.shape[-1], len(blocks), queries.shape[0]
+    M = first.numel() // D
+    mixes = [torch.empty_like(first) for _ in range(S)]
+    lse = first.new_empty(S, *first.shape[:-1], dtype=torch.float32)
+    su = first.new_empty(S, N, M, dtype=torch.float32)
+    r = first.new_empty(N, M, dtype=torch.float32)
+    mz = first.new_empty(2, S, M, dtype=torch.float32)
+    if M == 0:
+        return mixes, lse, su, r, mz
+    addrs, out_addrs = [b.data_ptr() for b in blocks], [x.data_ptr() for x in mixes]
+    table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], [DTYPE_CODES[first.dtype]], out_addrs],
+                          first.device)
+    SP, BT, BD, warps = _inter_tiles(S, D)
+    _inter_fwd[(triton.cdiv(M, BT),)](
+        table, queries, lse, su, r, mz[0], mz[1], M, N, eps,
+        S=S, SP=SP, D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=warps)
+    return mixes, lse, su, r, mz
+
+
+def inter_bwd(
+    blocks: list[torch.Tensor], queries: torch.Tensor, su: torch.Tensor, r: torch.Tensor, mz: torch.Tensor,
+    grads: list[torch.Tensor], dlse: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Phase 1 backward: ``(d_blocks, d_queries)``, each block gradient in its block's dtype, ``d_queries``
+    ``[S, D]`` float32. ``grads``: S contiguous gradients of the mixes (one dtype); ``dlse``: ``[S, ...]``
+    contiguous float32, or None for no gradient through the log-sum-exp."""
+    first = blocks[0]
+    D, N, S = first.shape[-1], len(blocks), queries.shape[0]
+    M = first.numel() // D
+    d_blocks = [torch.empty_like(b) for b in blocks]
+    if M == 0:
+        return d_blocks, torch.zeros(S, D, dtype=torch.float32, device=first.device)
+    SP, BT, BD, warps = _inter_tiles(S, D)
+    n_tiles = triton.cdiv(M, BT)
+    programs = min(n_tiles, max_programs(first.device))
+    du_part = first.new_empty(programs, S, D, dtype=torch.float32)
+    addrs, d_addrs, g_addrs = ([x.data_ptr() for x in xs] for xs in (blocks, d_blocks, grads))
+    table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], d_addrs, [DTYPE_CODES[grads[0].dtype]],
+                           g_addrs], first.device)
+    _inter_bwd[(programs,)](
+        table, queries, dlse if dlse is not None else su, su, r, mz[0], mz[1], du_part, M, N, n_tiles,
+        S=S, SP=SP, D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + d_addrs + g_addrs), HAS_DLSE=dlse is not None,
+        num_warps=warps)
+    return d_blocks, du_part.sum(0)
+
+
+def merge_fwd(
+    mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Phase 2 forward on validated contiguous inputs: ``h [..., D]`` in mix's dtype (``lse``: ``[...]`` float32)."""
+    D = mix.shape[-1]
+    M = mix.numel() // D
+    h = torch.empty_like(mix)
+    if M:
+        BT, BD, warps = row_tiles(D, None)
+        _merge_fwd[(triton.cdiv(M, BT),)](mix, lse, partial, query, h, M, eps, D=D, BT=BT, BD=BD, num_warps=warps)
+    return h
+
+
+def merge_bwd(
+    grad: torch.Tensor, mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 2 backward: ``(d_mix, d_lse float32, d_partial, d_query [D] float32)``, each in its input's dtype."""
+    D = mix.shape[-1]
+    M = mix.numel() // D
+    dmix, dp = torch.empty_like(mix), torch.empty_like(partial)
+    dlse = torch.empty_like(lse)
+    if M == 0:
+        return dmix, dlse, dp, torch.zeros(D, dtype=torch.float32, device=mix.device)
+    BT, BD, warps = row_tiles(D, None)
+    n_tiles = triton.cdiv(M, BT)
+    programs = min(n_tiles, max_programs(mix.device))
+    du_part = mix.new_empty(programs, D, dtype=torch.float32)
+    _merge_bwd[(programs,)](grad, mix, lse, partial, query, dmix, dlse, dp, du_part, M, n_tiles, eps,
+                            D=D, BT=BT, BD=BD, num_warps=warps)
+    return dmix, dlse, dp, du_part.sum(0)
