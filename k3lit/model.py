@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from k3lit.nn.attention import SoftmaxAttention
-from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream
+from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream, block_read
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.nn.mlp import SwiGLU
 from k3lit.nn.moe import MoE
@@ -305,11 +305,11 @@ class K3LM(nn.Module):
         # sublayers (phase 1); each sublayer then merges in the running partial sum (phase 2).
         stream = BlockResidualStream([x], self.block_size, self.config.norm_eps)
         subs = list(self.sublayers)
-        for sub, st, args in zip(subs, states, stream.reads([s.res_mixer for s in subs])):
-            out, st = sub(sub.res_mixer.read(*args), st, True)
+        for sub, st, read in zip(subs, states, stream.reads([s.res_mixer for s in subs])):
+            out, st = sub(block_read(stream.eps, *read), st, True)
             stream.add(out)
             new_states.append(st)
-        return self.final_res_mixer(stream.sources()), new_states
+        return self.final_res_mixer.mix(stream.sources()), new_states
 
     def _forward_train(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward in segments of ``attnres_block_size`` sublayers (one residual block for
@@ -342,7 +342,7 @@ class K3LM(nn.Module):
             blocks += list(out[:closed])
             part = out[closed] if len(out) > closed else None
             n_in = (n_in + len(seg)) % size
-        return self.final_res_mixer(BlockResidualStream(blocks, size, eps, part, n_in).sources())
+        return self.final_res_mixer.mix(BlockResidualStream(blocks, size, eps, part, n_in).sources())
 
     @torch.no_grad()
     def generate(
@@ -454,9 +454,9 @@ def _plain_segment(subs: list[Sublayer], per_sublayer: Any, h: torch.Tensor) -> 
     return (h,)
 
 
-def _read_and_apply(sub: Sublayer, *read: torch.Tensor) -> torch.Tensor:
+def _read_and_apply(sub: Sublayer, eps: float, *read: torch.Tensor) -> torch.Tensor:
     """``sub``'s output from its two-phase read (:meth:`BlockResidualStream.reads`)."""
-    return sub(sub.res_mixer.read(*read))[0]
+    return sub(block_read(eps, *read))[0]
 
 
 def _attnres_segment(
@@ -474,9 +474,9 @@ def _attnres_segment(
     stream = BlockResidualStream(blocks, block_size, eps, state[-1] if has_partial else None, n_in_block)
     for sub, read in zip(subs, stream.reads([s.res_mixer for s in subs])):
         if per_sublayer:
-            stream.add(per_sublayer(partial(_read_and_apply, sub), *read))
+            stream.add(per_sublayer(partial(_read_and_apply, sub, eps), *read))
         else:
-            stream.add(_read_and_apply(sub, *read))
+            stream.add(_read_and_apply(sub, eps, *read))
     return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())
 
 

@@ -11,8 +11,11 @@ from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge, attn_res_mi
 
 
 class AttnResMixer(nn.Module):
-    """One sublayer's read of the residual sources (arXiv 2603.15031): pseudo-query ``w`` (zero at init,
-    so the first step is the uniform mean) and RMSNorm weight ``γ``. ``forward(sources) -> [B, T, D]``.
+    """One sublayer's read of the residual sources (arXiv 2603.15031): pseudo-query ``w`` (zero at init, so the
+    first step is the uniform mean) and RMSNorm weight ``γ``. ``forward() -> [D]`` is ``w ⊙ γ``, the two folded
+    (``w^T RMSNorm(v) = ((w ⊙ γ)^T v) / rms(v)``); the reads call it as a module so that FSDP2, which shards each
+    mixer as its own unit, gathers the parameters for them (phase 1 reads a whole block's queries before any of
+    its sublayers runs). Called once per forward pass.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -27,21 +30,22 @@ class AttnResMixer(nn.Module):
         nn.init.zeros_(self.query)
         nn.init.ones_(self.norm_weight)
 
-    @property
-    def effective_query(self) -> torch.Tensor:
-        """``w ⊙ γ``: the pseudo-query folded with the RMSNorm weight, ``[D]``."""
+    def forward(self) -> torch.Tensor:
         return self.query * self.norm_weight
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return attn_res_mix(sources, self.effective_query, self.eps)
+    def mix(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The one-pass read ``Σ_i softmax_i(w^T RMSNorm(s_i)) s_i`` of N sources ``[B, T, D]``."""
+        return attn_res_mix(sources, self(), self.eps)
 
-    def read(
-        self, mix: torch.Tensor, lse: torch.Tensor | None = None, partial: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The sublayer's input from what :meth:`BlockResidualStream.reads` yields: the phase-1 ``mix`` alone
-        (first sublayer of a block), or merged with the block's ``partial`` sum (phase 2, ``lse`` the mix's
-        log-sum-exp). ``[B, T, D]`` in mix's dtype."""
-        return mix if partial is None else attn_res_merge(mix, lse, partial, self.effective_query, self.eps)
+
+def block_read(
+    eps: float, mix: torch.Tensor, lse: torch.Tensor | None = None, partial: torch.Tensor | None = None,
+    query: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A sublayer's input from one tuple of :meth:`BlockResidualStream.reads`: the phase-1 ``mix`` alone (first
+    sublayer of a block), or merged with the block's ``partial`` sum (phase 2; ``lse`` the mix's log-sum-exp,
+    ``query`` the sublayer's ``w ⊙ γ``). ``[B, T, D]`` in mix's dtype."""
+    return mix if partial is None else attn_res_merge(mix, lse, partial, query, eps)
 
 
 class BlockResidualStream:
@@ -67,18 +71,17 @@ class BlockResidualStream:
 
     def reads(self, mixers: list[AttnResMixer]) -> Iterator[tuple[torch.Tensor, ...]]:
         """Two-phase reads for consecutive sublayers from the stream's position, one tuple per mixer in turn:
-        ``(mix,)`` at a block's first sublayer, ``(mix, lse, partial)`` after it; :meth:`AttnResMixer.read` turns
+        ``(mix,)`` at a block's first sublayer, ``(mix, lse, partial, query)`` after it; :func:`block_read` turns
         it into the sublayer's input. The caller must :meth:`add` each sublayer's output before asking for the
         next tuple. At each block start (or at the first mixer) one phase-1 read of the completed summaries serves
         every mixer up to the block's end (:func:`k3lit.ops.attn_res.attn_res_inter_block`)."""
         k = 0
         while k < len(mixers):
-            ahead = mixers[k : k + self.block_size - self.n_in_block]
-            queries = torch.stack([m.effective_query for m in ahead])
-            mixes, lse = attn_res_inter_block(self.blocks, queries, self.eps)
+            queries = [m() for m in mixers[k : k + self.block_size - self.n_in_block]]
+            mixes, lse = attn_res_inter_block(self.blocks, torch.stack(queries), self.eps)
             for j, mix in enumerate(mixes):
-                yield (mix,) if self.partial is None else (mix, lse[j], self.partial)
-            k += len(ahead)
+                yield (mix,) if self.partial is None else (mix, lse[j], self.partial, queries[j])
+            k += len(queries)
 
     def sources(self) -> list[torch.Tensor]:
         """Current sources: the block summaries, then the partial sum if any."""

@@ -76,8 +76,10 @@ def test_zero_query_is_uniform_mean(seed):
 def test_large_logits_are_stable(seed):
     """Sources within ~1% of u's direction: every logit sits near 600 (exp overflows float32 above 88) while
     their spread stays O(1), so the weights and every gradient are far from trivial. A logit near 600 carries
-    an absolute float32 error of ~1e-4 and the query gradient sums nearly cancelling terms (the PyTorch form
-    in float32 errs by ~5e-5 too), hence the looser tolerance."""
+    an absolute float32 error of ~1e-4 and the query gradient sums nearly cancelling terms, hence the looser
+    tolerances. Measured over 201 seeds (interpreter): the γ gradient's error has median 6.3e-5 and maximum
+    3.6e-4, the float32 PyTorch form's on the same inputs median 6.7e-5 and maximum 2.8e-4 (a tolerance of 3e-4
+    failed one seed in 200); the source gradients' at most 9e-5."""
     D = 96
     u = torch.randn(D, device=DEV)
     u *= 600 / (D**0.5 * u.norm())
@@ -85,7 +87,7 @@ def test_large_logits_are_stable(seed):
     sources = [(along + 0.01 * (0.5 + i / 3) * torch.randn(2, 13, D, device=DEV)).requires_grad_() for i in range(4)]
     logits = torch.stack([(s.double() @ u.double()) / s.double().pow(2).mean(-1).sqrt() for s in sources])
     assert logits.min() > 500 and logits.std(0).mean() > 0.3
-    check(sources, u, torch.ones(D, device=DEV), 1e-5, [3e-4] * 4, tol_query=3e-4)
+    check(sources, u, torch.ones(D, device=DEV), 1e-5, [3e-4] * 4, tol_query=5e-4)
 
 
 def test_peaked_softmax(seed):
