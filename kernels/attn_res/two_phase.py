@@ -54,6 +54,14 @@ INTER_TILE = 8192  # SP x BD per row: the [SP, BT, BD] tiles (queries' accumulat
 
 
 @triton.jit
+def _source(table, N, i, base, offs, mask, ALIGNED: tl.constexpr):
+    """Source ``i``'s ``[BT, BD]`` tile as float32; nothing is loaded (zeros) for ``i == N``, so a loop can ask for
+    the next source before it works on the current one (one load in flight behind the arithmetic)."""
+    j = i % N
+    return load_f32(tl.load(table + j), tl.load(table + N + j), base, offs, mask & (i < N), ALIGNED)
+
+
+@triton.jit
 def _inter_fwd(
     table, u_ptr, lse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, M, N, eps,
     S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
@@ -72,8 +80,10 @@ def _inter_fwd(
     m = tl.full([SP, BT], float("-inf"), tl.float32)
     z = tl.zeros([SP, BT], tl.float32)
     acc = tl.zeros([SP, BT, BD], tl.float32)
+    s_next = _source(table, N, 0, base, offs, mask, ALIGNED)
     for i in range(N):
-        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+        s = s_next
+        s_next = _source(table, N, i + 1, base, offs, mask, ALIGNED)
         r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
         su = tl.sum(s[None, :, :] * u[:, None, :], axis=2)  # [SP, BT]
         l = su * r[None, :]
@@ -126,17 +136,20 @@ def _inter_bwd(
         m = tl.load(m_ptr + stat, mask=st_mask, other=0.0)
         inv_z = 1.0 / tl.load(z_ptr + stat, mask=st_mask, other=1.0)
         g_out = tl.zeros([SP, BT], tl.float32)  # g_j·mix_j - δ_j
+        s_next = _source(table, N, 0, base, offs, mask, ALIGNED)
         for i in range(N):
-            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            s = s_next
+            s_next = _source(table, N, i + 1, base, offs, mask, ALIGNED)
             su = tl.load(su_ptr + (js[:, None] * N + i) * M + rows[None, :], mask=st_mask, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
             a = tl.exp(su * r[None, :] - m) * inv_z
             g_out += a * tl.sum(g * s[None, :, :], axis=2)
         if HAS_DLSE:
             g_out -= tl.load(dlse_ptr + stat, mask=st_mask, other=0.0)
+        s_next = _source(table, N, 0, base, offs, mask, ALIGNED)
         for i in range(N):
-            code = tl.load(table + N + i)
-            s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
+            s = s_next
+            s_next = _source(table, N, i + 1, base, offs, mask, ALIGNED)
             su = tl.load(su_ptr + (js[:, None] * N + i) * M + rows[None, :], mask=st_mask, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
             a = tl.exp(su * r[None, :] - m) * inv_z
@@ -144,7 +157,7 @@ def _inter_bwd(
             c_u = dl * r[None, :]
             c_s = tl.sum(dl * su, axis=0) * r * r * r / D  # [BT]
             ds = tl.sum(a[:, :, None] * g + c_u[:, :, None] * u[:, None, :], axis=0) - c_s[:, None] * s
-            store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
+            store_as(tl.load(table + 2 * N + i), tl.load(table + N + i), base, offs, mask, ds, ALIGNED)
             du += tl.sum(c_u[:, :, None] * s[None, :, :], axis=1)
     tl.store(du_part + pid * (S * D) + js[:, None] * D + cols[None, :], du, mask=m_u)
 
@@ -208,21 +221,24 @@ def query_groups(S: int, D: int) -> list[tuple[int, int]]:
     return [(j, min(S, j + size)) for j in range(0, S, size)]
 
 
-def _inter_tiles(S: int, D: int) -> tuple[int, int, int, int]:
-    """``(SP, BT, BD, num_warps)`` for phase 1: ELEMS_PER_THREAD values of the ``[SP, BT, BD]`` tile per thread."""
+def _inter_tiles(S: int, D: int, block_rows: int | None, num_warps: int | None) -> tuple[int, int, int, int]:
+    """``(SP, BT, BD, num_warps)`` for phase 1: by default ELEMS_PER_THREAD values of the ``[SP, BT, BD]`` tile per
+    thread."""
     SP, BD = triton.next_power_of_2(S), triton.next_power_of_2(D)
-    BT = max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // (SP * BD)))
-    return SP, BT, BD, max(4, min(16, SP * BT * BD // (32 * ELEMS_PER_THREAD)))
+    BT = block_rows or max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // (SP * BD)))
+    return SP, BT, BD, num_warps or max(4, min(16, SP * BT * BD // (32 * ELEMS_PER_THREAD)))
 
 
 def inter_fwd(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float, block_rows: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1 forward on validated inputs (one query group: S x BD <= INTER_TILE).
 
     Args:
         blocks: N contiguous ``[..., D]`` summaries of one shape (float32 / bfloat16 / float16, may differ).
         queries: ``[S, D]`` contiguous.
+        block_rows, num_warps: the row tile (a power of two) and warps per program; defaults from S and D.
 
     Returns:
         ``(mixes, lse, su, r, mz)``: S mixes ``[..., D]`` in blocks[0]'s dtype; ``lse [S, ...]`` float32; for
@@ -242,7 +258,7 @@ def inter_fwd(
     addrs, out_addrs = [b.data_ptr() for b in blocks], [x.data_ptr() for x in mixes]
     table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], [DTYPE_CODES[first.dtype]], out_addrs],
                           first.device)
-    SP, BT, BD, warps = _inter_tiles(S, D)
+    SP, BT, BD, warps = _inter_tiles(S, D, block_rows, num_warps)
     _inter_fwd[(triton.cdiv(M, BT),)](
         table, queries, lse, su, r, mz[0], mz[1], M, N, eps,
         S=S, SP=SP, D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=warps)
@@ -251,18 +267,19 @@ def inter_fwd(
 
 def inter_bwd(
     blocks: list[torch.Tensor], queries: torch.Tensor, su: torch.Tensor, r: torch.Tensor, mz: torch.Tensor,
-    grads: list[torch.Tensor], dlse: torch.Tensor | None,
+    grads: list[torch.Tensor], dlse: torch.Tensor | None, block_rows: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Phase 1 backward: ``(d_blocks, d_queries)``, each block gradient in its block's dtype, ``d_queries``
     ``[S, D]`` float32. ``grads``: S contiguous gradients of the mixes (one dtype); ``dlse``: ``[S, ...]``
-    contiguous float32, or None for no gradient through the log-sum-exp."""
+    contiguous float32, or None for no gradient through the log-sum-exp. Tiles as :func:`inter_fwd`."""
     first = blocks[0]
     D, N, S = first.shape[-1], len(blocks), queries.shape[0]
     M = first.numel() // D
     d_blocks = [torch.empty_like(b) for b in blocks]
     if M == 0:
         return d_blocks, torch.zeros(S, D, dtype=torch.float32, device=first.device)
-    SP, BT, BD, warps = _inter_tiles(S, D)
+    SP, BT, BD, warps = _inter_tiles(S, D, block_rows, num_warps)
     n_tiles = triton.cdiv(M, BT)
     programs = min(n_tiles, max_programs(first.device))
     du_part = first.new_empty(programs, S, D, dtype=torch.float32)
