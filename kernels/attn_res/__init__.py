@@ -19,7 +19,7 @@ import torch
 from k3lit.kernels import runs_on
 from k3lit.kernels.attn_res.common import DTYPE_CODES, MAX_DIM
 from k3lit.kernels.attn_res.mix import mix_bwd, mix_fwd
-from k3lit.kernels.attn_res.two_phase import inter_bwd, inter_fwd, merge_bwd, merge_fwd, query_groups
+from k3lit.kernels.attn_res.two_phase import inter_bwd, inter_fwd, merge_bwd, merge_fwd
 
 
 @torch.library.custom_op("k3lit::attn_res_mix_fwd", mutates_args=())
@@ -291,9 +291,8 @@ def unsupported_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tenso
 def inter_block_triton(
     blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-6
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Phase 1 of two-phase Block AttnRes in Triton: every query's softmax mix over the N completed block summaries,
-    and its log-sum-exp, in one pass over the summaries (``two_phase.py``; queries beyond ``INTER_TILE / D`` in
-    further passes). Differentiable in the blocks and the queries.
+    """Phase 1 of two-phase Block AttnRes in Triton: every query's softmax mix over the N completed block
+    summaries, and its log-sum-exp, in one launch (``two_phase.py``). Differentiable in the blocks and queries.
 
     Args:
         blocks: N tensors ``[..., D]`` of one shape, each float32, bfloat16 or float16 (may differ), D <= 8192.
@@ -318,16 +317,11 @@ def fused_inter_block(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`inter_block_triton` without its checks, for callers that ran :func:`unsupported_inter`."""
     blocks, queries = [b.contiguous() for b in blocks], queries.contiguous()
-    mixes, lses = [], []
-    for start, stop in query_groups(*queries.shape):
-        group = queries[start:stop]
-        if torch.compiler.is_compiling():
-            group_mixes, lse = _inter_fwd_op(blocks, group, float(eps))[:2]
-        else:
-            *group_mixes, lse = _InterFn.apply(group, float(eps), *blocks)
-        mixes += group_mixes
-        lses.append(lse)
-    return mixes, lses[0] if len(lses) == 1 else torch.cat(lses)
+    if torch.compiler.is_compiling():
+        mixes, lse = _inter_fwd_op(blocks, queries, float(eps))[:2]
+        return mixes, lse
+    *mixes, lse = _InterFn.apply(queries, float(eps), *blocks)
+    return list(mixes), lse
 
 
 def merge_triton(

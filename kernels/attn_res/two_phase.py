@@ -26,11 +26,13 @@ Backward of phase 2, upstream ``g``::
     dmix = w g    δ = w (1 - w) g·(mix - p)    dl_p = -δ
     dp = (1 - w) g + dl_p (r_p u - (p·u) r_p^3 p / D)    du = Σ_rows dl_p r_p p
 
-Phase 1 keeps the S queries as one ``[SP, BT, BD]`` register tile (SP = S rounded up to a power of two), so a
-launch takes at most ``INTER_TILE`` = SP x BD elements per row; :func:`query_groups` splits wider blocks into
-groups of queries, one launch each. Statistics are saved as in the one-pass kernel (``s_i·u_j``, ``r_i``, the
-softmax's max and denominator, not the log-sum-exp) so the backward rebuilds ``a_ij`` bit for bit. Both
-backwards loop over row tiles on a fixed grid and reduce ``du`` per program: deterministic, no atomics.
+Phase 1 runs one program per (query, row tile), the S programs of a tile side by side, so each summary tile
+comes from memory once and from L2 for the other queries; its backward is two kernels: per (query, row tiles)
+``dl_ij`` and ``du_j`` (two passes over the sources, the first for ``g_j·mix_j``), then per (source, row tile)
+``ds_i`` summed over the queries. Every kernel works on ``[BT, BD]`` tiles of whole rows, as the one-pass kernel
+does. Statistics are saved as there (``s_i·u_j``, ``r_i``, the softmax's max and denominator, not the
+log-sum-exp) so the backward rebuilds ``a_ij`` bit for bit. The ``du`` reductions loop over row tiles on a fixed
+grid and reduce per program: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import triton.language as tl
 
 from k3lit.kernels.attn_res.common import (
     DTYPE_CODES,
-    ELEMS_PER_THREAD,
     address_table,
     aligned,
     load_f32,
@@ -50,116 +51,118 @@ from k3lit.kernels.attn_res.common import (
     store_as,
 )
 
-INTER_TILE = 8192  # SP x BD per row: the [SP, BT, BD] tiles (queries' accumulators, gradients) at 16 warps
-
-
-@triton.jit
-def _source(table, N, i, base, offs, mask, ALIGNED: tl.constexpr):
-    """Source ``i``'s ``[BT, BD]`` tile as float32; nothing is loaded (zeros) for ``i == N``, so a loop can ask for
-    the next source before it works on the current one (one load in flight behind the arithmetic)."""
-    j = i % N
-    return load_f32(tl.load(table + j), tl.load(table + N + j), base, offs, mask & (i < N), ALIGNED)
-
 
 @triton.jit
 def _inter_fwd(
-    table, u_ptr, lse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, M, N, eps,
-    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
+    table, u_ptr, lse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, M, N, S, eps,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
+    # one program per (row tile, query), the query fastest: the S programs of a tile run side by side and share
+    # its loads in L2 (a 1-D grid: a grid's second axis stops at 65535 row tiles)
+    j = tl.program_id(0) % S
+    row0 = tl.cast(tl.program_id(0) // S, tl.int64) * BT
     base = row0 * D
     rows = row0 + tl.arange(0, BT)
     cols = tl.arange(0, BD)
-    js = tl.arange(0, SP)
-    m_row, m_col, m_j = rows < M, cols < D, js < S
+    m_row, m_col = rows < M, cols < D
     mask = m_row[:, None] & m_col[None, :]
-    st_mask = m_j[:, None] & m_row[None, :]
     offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
-    u = tl.load(u_ptr + js[:, None] * D + cols[None, :], mask=m_j[:, None] & m_col[None, :], other=0.0)
-    u = u.to(tl.float32)
-    m = tl.full([SP, BT], float("-inf"), tl.float32)
-    z = tl.zeros([SP, BT], tl.float32)
-    acc = tl.zeros([SP, BT, BD], tl.float32)
-    s_next = _source(table, N, 0, base, offs, mask, ALIGNED)
+    u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
+    m = tl.full([BT], float("-inf"), tl.float32)
+    z = tl.zeros([BT], tl.float32)
+    acc = tl.zeros([BT, BD], tl.float32)
     for i in range(N):
-        s = s_next
-        s_next = _source(table, N, i + 1, base, offs, mask, ALIGNED)
+        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
         r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
-        su = tl.sum(s[None, :, :] * u[:, None, :], axis=2)  # [SP, BT]
-        l = su * r[None, :]
+        su = tl.sum(s * u[None, :], axis=1)
+        l = su * r
         m_new = tl.maximum(m, l)
         rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
         p = tl.exp(l - m_new)
         z = z * rescale + p
-        acc = acc * rescale[:, :, None] + p[:, :, None] * s[None, :, :]
+        acc = acc * rescale[:, None] + p[:, None] * s
         m = m_new
-        tl.store(su_ptr + (js[:, None] * N + i) * M + rows[None, :], su, mask=st_mask)
-        tl.store(r_ptr + i * M + rows, r, mask=m_row)
-    out = acc / z[:, :, None]
-    code = tl.load(table + 2 * N)
-    for j in tl.static_range(S):
-        out_j = tl.sum(tl.where((js == j)[:, None, None], out, 0.0), axis=0)
-        store_as(tl.load(table + 2 * N + 1 + j), code, base, offs, mask, out_j, ALIGNED)
-    stat = js[:, None] * M + rows[None, :]
-    tl.store(m_ptr + stat, m, mask=st_mask)
-    tl.store(z_ptr + stat, z, mask=st_mask)
-    tl.store(lse_ptr + stat, m + tl.log(z), mask=st_mask)
+        tl.store(su_ptr + (j * N + i) * M + rows, su, mask=m_row)
+        tl.store(r_ptr + i * M + rows, r, mask=m_row & (j == 0))
+    store_as(tl.load(table + 2 * N + 1 + j), tl.load(table + 2 * N), base, offs, mask, acc / z[:, None], ALIGNED)
+    tl.store(m_ptr + j * M + rows, m, mask=m_row)
+    tl.store(z_ptr + j * M + rows, z, mask=m_row)
+    tl.store(lse_ptr + j * M + rows, m + tl.log(z), mask=m_row)
 
 
 @triton.jit
-def _inter_bwd(
-    table, u_ptr, dlse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, du_part, M, N, n_tiles,
-    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+def _inter_bwd_logits(
+    table, dlse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, dl_ptr, du_part, M, N, n_tiles,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Per query j (program axis 0) over row tiles: ``dl_ij`` for every source (stored ``[S, N, M]``) and the
+    program's share of ``du_j``."""
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
     cols = tl.arange(0, BD)
-    js = tl.arange(0, SP)
-    m_col, m_j = cols < D, js < S
+    m_col = cols < D
     offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
-    m_u = m_j[:, None] & m_col[None, :]
-    u = tl.load(u_ptr + js[:, None] * D + cols[None, :], mask=m_u, other=0.0).to(tl.float32)
-    du = tl.zeros([SP, BD], tl.float32)
-    g_code = tl.load(table + 3 * N)
-    for tile in range(pid, n_tiles, tl.num_programs(0)):
+    du = tl.zeros([BD], tl.float32)
+    g_addr, g_code = tl.load(table + 3 * N + 1 + j), tl.load(table + 3 * N)
+    for tile in range(pid, n_tiles, tl.num_programs(1)):
         row0 = tl.cast(tile, tl.int64) * BT
         base = row0 * D
         rows = row0 + tl.arange(0, BT)
         m_row = rows < M
         mask = m_row[:, None] & m_col[None, :]
-        st_mask = m_j[:, None] & m_row[None, :]
-        stat = js[:, None] * M + rows[None, :]
-        g = tl.zeros([SP, BT, BD], tl.float32)
-        for j in tl.static_range(S):
-            g_j = load_f32(tl.load(table + 3 * N + 1 + j), g_code, base, offs, mask, ALIGNED)
-            g = tl.where((js == j)[:, None, None], g_j[None, :, :], g)
-        m = tl.load(m_ptr + stat, mask=st_mask, other=0.0)
-        inv_z = 1.0 / tl.load(z_ptr + stat, mask=st_mask, other=1.0)
-        g_out = tl.zeros([SP, BT], tl.float32)  # g_j·mix_j - δ_j
-        s_next = _source(table, N, 0, base, offs, mask, ALIGNED)
+        g = load_f32(g_addr, g_code, base, offs, mask, ALIGNED)
+        m = tl.load(m_ptr + j * M + rows, mask=m_row, other=0.0)
+        inv_z = 1.0 / tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
+        g_out = tl.zeros([BT], tl.float32)  # g_j·mix_j - δ_j
         for i in range(N):
-            s = s_next
-            s_next = _source(table, N, i + 1, base, offs, mask, ALIGNED)
-            su = tl.load(su_ptr + (js[:, None] * N + i) * M + rows[None, :], mask=st_mask, other=0.0)
+            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-            a = tl.exp(su * r[None, :] - m) * inv_z
-            g_out += a * tl.sum(g * s[None, :, :], axis=2)
+            g_out += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
         if HAS_DLSE:
-            g_out -= tl.load(dlse_ptr + stat, mask=st_mask, other=0.0)
-        s_next = _source(table, N, 0, base, offs, mask, ALIGNED)
+            g_out -= tl.load(dlse_ptr + j * M + rows, mask=m_row, other=0.0)
         for i in range(N):
-            s = s_next
-            s_next = _source(table, N, i + 1, base, offs, mask, ALIGNED)
-            su = tl.load(su_ptr + (js[:, None] * N + i) * M + rows[None, :], mask=st_mask, other=0.0)
+            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-            a = tl.exp(su * r[None, :] - m) * inv_z
-            dl = a * (tl.sum(g * s[None, :, :], axis=2) - g_out)  # [SP, BT]
-            c_u = dl * r[None, :]
-            c_s = tl.sum(dl * su, axis=0) * r * r * r / D  # [BT]
-            ds = tl.sum(a[:, :, None] * g + c_u[:, :, None] * u[:, None, :], axis=0) - c_s[:, None] * s
-            store_as(tl.load(table + 2 * N + i), tl.load(table + N + i), base, offs, mask, ds, ALIGNED)
-            du += tl.sum(c_u[:, :, None] * s[None, :, :], axis=1)
-    tl.store(du_part + pid * (S * D) + js[:, None] * D + cols[None, :], du, mask=m_u)
+            dl = tl.exp(su * r - m) * inv_z * (tl.sum(g * s, axis=1) - g_out)
+            tl.store(dl_ptr + (j * N + i) * M + rows, dl, mask=m_row)
+            du += tl.sum((dl * r)[:, None] * s, axis=0)
+    tl.store(du_part + (pid * tl.num_programs(0) + j) * D + cols, du, mask=m_col)
+
+
+@triton.jit
+def _inter_bwd_sources(
+    table, u_ptr, su_ptr, r_ptr, m_ptr, z_ptr, dl_ptr, M, N, S,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Per (row tile, source i): ``ds_i`` summed over the S queries. The N programs of a row tile run side by side
+    and share its S gradient tiles in L2."""
+    i = tl.program_id(0) % N  # source fastest, as in _inter_fwd
+    row0 = tl.cast(tl.program_id(0) // N, tl.int64) * BT
+    base = row0 * D
+    rows = row0 + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    m_row, m_col = rows < M, cols < D
+    mask = m_row[:, None] & m_col[None, :]
+    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
+    code = tl.load(table + N + i)
+    s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
+    r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+    g_code = tl.load(table + 3 * N)
+    ds = tl.zeros([BT, BD], tl.float32)
+    c_s = tl.zeros([BT], tl.float32)
+    for j in range(S):
+        g = load_f32(tl.load(table + 3 * N + 1 + j), g_code, base, offs, mask, ALIGNED)
+        u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
+        su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
+        m = tl.load(m_ptr + j * M + rows, mask=m_row, other=0.0)
+        z = tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
+        dl = tl.load(dl_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
+        ds += (tl.exp(su * r - m) / z)[:, None] * g + (dl * r)[:, None] * u[None, :]
+        c_s += dl * su
+    ds -= (c_s * r * r * r / D)[:, None] * s
+    store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
 
 
 @triton.jit
@@ -214,26 +217,11 @@ def _merge_bwd(
     tl.store(du_part + pid * D + cols, du, mask=m_col)
 
 
-def query_groups(S: int, D: int) -> list[tuple[int, int]]:
-    """``[(start, stop), ...]``: consecutive query groups of at most ``INTER_TILE / BD`` (a power of two) each,
-    one phase-1 launch per group."""
-    size = max(1, INTER_TILE // triton.next_power_of_2(D))
-    return [(j, min(S, j + size)) for j in range(0, S, size)]
-
-
-def _inter_tiles(S: int, D: int, block_rows: int | None, num_warps: int | None) -> tuple[int, int, int, int]:
-    """``(SP, BT, BD, num_warps)`` for phase 1: by default ELEMS_PER_THREAD values of the ``[SP, BT, BD]`` tile per
-    thread."""
-    SP, BD = triton.next_power_of_2(S), triton.next_power_of_2(D)
-    BT = block_rows or max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // (SP * BD)))
-    return SP, BT, BD, num_warps or max(4, min(16, SP * BT * BD // (32 * ELEMS_PER_THREAD)))
-
-
 def inter_fwd(
     blocks: list[torch.Tensor], queries: torch.Tensor, eps: float, block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Phase 1 forward on validated inputs (one query group: S x BD <= INTER_TILE).
+    """Phase 1 forward on validated inputs.
 
     Args:
         blocks: N contiguous ``[..., D]`` summaries of one shape (float32 / bfloat16 / float16, may differ).
@@ -258,10 +246,10 @@ def inter_fwd(
     addrs, out_addrs = [b.data_ptr() for b in blocks], [x.data_ptr() for x in mixes]
     table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], [DTYPE_CODES[first.dtype]], out_addrs],
                           first.device)
-    SP, BT, BD, warps = _inter_tiles(S, D, block_rows, num_warps)
-    _inter_fwd[(triton.cdiv(M, BT),)](
-        table, queries, lse, su, r, mz[0], mz[1], M, N, eps,
-        S=S, SP=SP, D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=warps)
+    BT, BD, warps = row_tiles(D, block_rows)
+    _inter_fwd[(S * triton.cdiv(M, BT),)](
+        table, queries, lse, su, r, mz[0], mz[1], M, N, S, eps,
+        D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=num_warps or warps)
     return mixes, lse, su, r, mz
 
 
@@ -279,17 +267,21 @@ def inter_bwd(
     d_blocks = [torch.empty_like(b) for b in blocks]
     if M == 0:
         return d_blocks, torch.zeros(S, D, dtype=torch.float32, device=first.device)
-    SP, BT, BD, warps = _inter_tiles(S, D, block_rows, num_warps)
+    BT, BD, warps = row_tiles(D, block_rows)
+    warps = num_warps or warps
     n_tiles = triton.cdiv(M, BT)
-    programs = min(n_tiles, max_programs(first.device))
+    programs = min(n_tiles, max(1, max_programs(first.device) // S))
     du_part = first.new_empty(programs, S, D, dtype=torch.float32)
+    dl = first.new_empty(S, N, M, dtype=torch.float32)
     addrs, d_addrs, g_addrs = ([x.data_ptr() for x in xs] for xs in (blocks, d_blocks, grads))
     table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], d_addrs, [DTYPE_CODES[grads[0].dtype]],
                            g_addrs], first.device)
-    _inter_bwd[(programs,)](
-        table, queries, dlse if dlse is not None else su, su, r, mz[0], mz[1], du_part, M, N, n_tiles,
-        S=S, SP=SP, D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + d_addrs + g_addrs), HAS_DLSE=dlse is not None,
-        num_warps=warps)
+    ok = aligned(addrs + d_addrs + g_addrs)
+    _inter_bwd_logits[(S, programs)](
+        table, dlse if dlse is not None else su, su, r, mz[0], mz[1], dl, du_part, M, N, n_tiles,
+        D=D, BT=BT, BD=BD, ALIGNED=ok, HAS_DLSE=dlse is not None, num_warps=warps)
+    _inter_bwd_sources[(N * n_tiles,)](
+        table, queries, su, r, mz[0], mz[1], dl, M, N, S, D=D, BT=BT, BD=BD, ALIGNED=ok, num_warps=warps)
     return d_blocks, du_part.sum(0)
 
 

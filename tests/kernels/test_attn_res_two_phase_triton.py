@@ -3,7 +3,7 @@
 Phase 1 (every query's mix over the blocks, with its log-sum-exp) and phase 2 (the merge with the partial sum) are
 checked against the PyTorch forms of :mod:`k3lit.ops.attn_res` run in float64 on the same values, and their
 composition against the literal one-pass read. CPU: ``TRITON_INTERPRET=1`` on row counts that are not multiples of
-the row tile, D not a power of two, S not a power of two (padded query lanes), and more row tiles than backward
+the row tile, D not a power of two, S not a power of two and more row tiles than backward
 programs; NaN-filled allocations (conftest.py) catch unwritten outputs. GPU (``-m gpu``): the 300m model's shapes.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3lit.kernels.attn_res import two_phase
 from k3lit.ops.attn_res import attn_res_inter_block, attn_res_merge, attn_res_reference
 from k3lit.testing import rel_rms
 
@@ -68,11 +67,9 @@ def test_inter_mixed_dtypes_and_unused_mix(seed):
     check_inter(blocks, torch.randn(4, 200, device=DEV), TOL_F32, [TOL_F32] + [TOL_LOW] * 3, use=[0, 2])
 
 
-def test_inter_query_groups(seed, monkeypatch):
-    """More queries than one launch holds: split into groups (here of 2 at BD = 128), gradients summed."""
-    monkeypatch.setattr(two_phase, "INTER_TILE", 256)
-    assert two_phase.query_groups(5, 96) == [(0, 2), (2, 4), (4, 5)]
-    check_inter(leaves(3, (2, 11, 96)), torch.randn(5, 96, device=DEV), TOL_F32, [TOL_F32] * 3)
+def test_inter_many_queries(seed):
+    """A block of 8 sublayers (the medium recipe's) at D 200: every query its own program."""
+    check_inter(leaves(3, (2, 11, 200)), torch.randn(8, 200, device=DEV), TOL_F32, [TOL_F32] * 3)
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
