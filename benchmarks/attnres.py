@@ -256,6 +256,41 @@ def mix_sweep(n: int, shape: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+def _phase_times(n: int, shape: tuple[int, ...], block: int) -> tuple[float, ...]:
+    """Kernel ms of one block over n summaries: phase 1 fwd, bwd; one merge fwd + bwd; one one-pass read fwd + bwd."""
+    from k3lit.kernels.attn_res.mix import mix_bwd, mix_fwd
+    from k3lit.kernels.attn_res.two_phase import inter_bwd, inter_fwd, merge_bwd, merge_fwd
+
+    blocks, _, grad = _mix_inputs(n, MIX_LAYOUTS["fp32 emb + bf16"], shape)
+    blocks = [b.detach() for b in blocks]
+    queries = torch.randn(block, shape[-1], device=blocks[0].device) / shape[-1] ** 0.5
+    grads, dlse = [grad.float()] * block, torch.randn(block, *shape[:-1], device=grad.device)
+    mixes, lse, su, r, mz = inter_fwd(blocks, queries, 1e-6)
+    part, sources = blocks[-1], blocks + [blocks[-1]]
+    _, src_stats, row_stats = mix_fwd(sources, queries[0], 1e-6)
+    return (_median_ms(lambda: inter_fwd(blocks, queries, 1e-6), []),
+            _median_ms(lambda: inter_bwd(blocks, queries, su, r, mz, grads, dlse), []),
+            _median_ms(lambda: merge_fwd(mixes[1], lse[1], part, queries[1], 1e-6), [])
+            + _median_ms(lambda: merge_bwd(grads[1], mixes[1], lse[1], part, queries[1], 1e-6), []),
+            _median_ms(lambda: mix_fwd(sources, queries[0], 1e-6), [])
+            + _median_ms(lambda: mix_bwd(sources, queries[0], src_stats, row_stats, grads[0]), []))
+
+
+def mix_phases(counts: list[int], shape: tuple[int, ...], block: int = 4) -> str:
+    """Per residual block of ``block`` sublayers over N summaries (fp32 embedding + bf16): the two-phase kernels
+    (phase 1 for all queries, phase 2 for the block - 1 sublayers with a partial sum) against ``block`` one-pass
+    reads of N + 1 sources, each forward and backward, kernels alone (launchers, no autograd)."""
+    lines = [f"two-phase kernels per block of {block} sublayers, shape {tuple(shape)}, fp32 emb + bf16 (kernel ms)",
+             "", f"| N | phase 1 fwd | phase 1 bwd | merge fwd + bwd (x{block - 1}) | two-phase total | "
+             f"one-pass fwd + bwd (x{block}) | one-pass total |", "|---|---|---|---|---|---|---|"]
+    for n in counts:
+        f1, b1, merge, one = _phase_times(n, shape, block)
+        lines.append(f"| {n} | {f1:.3f} | {b1:.3f} | {merge:.3f} | {f1 + b1 + (block - 1) * merge:.3f} | "
+                     f"{one:.3f} | {block * one:.3f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def run_mix(shape: tuple[int, ...], counts: list[int], sweep: bool) -> str:
     rows = [r for layout in MIX_LAYOUTS for n in counts for r in mix_case(n, layout, shape)]
     lines = [f"{environment()}; sources {tuple(shape)}, N sources, output in the first source's dtype", "",
@@ -266,6 +301,7 @@ def run_mix(shape: tuple[int, ...], counts: list[int], sweep: bool) -> str:
         lines.append(f"| {r['layout']} | {r['n']} | {r['backend']} | {r['err']:.1e} | {r['fwd_ms']:.3f} | "
                      f"{r['fwd_gbs']:.0f} | {r['both_ms']:.3f} | {r['both_gbs']:.0f} | "
                      f"{torch_row['both_ms'] / r['both_ms']:.2f}x |")
+    lines += ["", mix_phases(counts, shape)]
     if sweep:
         lines += ["", mix_sweep(max(counts), shape)]
     return "\n".join(lines)

@@ -26,13 +26,13 @@ Backward of phase 2, upstream ``g``::
     dmix = w g    δ = w (1 - w) g·(mix - p)    dl_p = -δ
     dp = (1 - w) g + dl_p (r_p u - (p·u) r_p^3 p / D)    du = Σ_rows dl_p r_p p
 
-Phase 1 runs one program per (query, row tile), the S programs of a tile side by side, so each summary tile
-comes from memory once and from L2 for the other queries; its backward is two kernels: per (query, row tiles)
-``dl_ij`` and ``du_j`` (two passes over the sources, the first for ``g_j·mix_j``), then per (source, row tile)
-``ds_i`` summed over the queries. Every kernel works on ``[BT, BD]`` tiles of whole rows, as the one-pass kernel
-does. Statistics are saved as there (``s_i·u_j``, ``r_i``, the softmax's max and denominator, not the
-log-sum-exp) so the backward rebuilds ``a_ij`` bit for bit. The ``du`` reductions loop over row tiles on a fixed
-grid and reduce per program: deterministic, no atomics.
+Phase 1 runs one program per row tile that serves the S queries one after another, so each summary tile comes
+from memory once and from the SM's cache for the other queries; its backward is two kernels: per (query, row
+tiles) ``dl_ij`` and ``du_j`` (two passes over the sources, the first for ``g_j·mix_j``), then per row tile
+``ds_i`` for each source, summed over the queries. Every kernel works on ``[BT, BD]`` tiles of whole rows, as
+the one-pass kernel does. Statistics are saved as there (``s_i·u_j``, ``r_i``, the softmax's max and
+denominator, not the log-sum-exp) so the backward rebuilds ``a_ij`` bit for bit. The ``du`` reductions loop over
+row tiles on a fixed grid and reduce per program: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -57,37 +57,38 @@ def _inter_fwd(
     table, u_ptr, lse_ptr, su_ptr, r_ptr, m_ptr, z_ptr, M, N, S, eps,
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    # one program per (row tile, query), the query fastest: the S programs of a tile run side by side and share
-    # its loads in L2 (a 1-D grid: a grid's second axis stops at 65535 row tiles)
-    j = tl.program_id(0) % S
-    row0 = tl.cast(tl.program_id(0) // S, tl.int64) * BT
+    # one program per row tile, the queries one after another: the tile's summaries come from memory for the
+    # first query and from the SM's cache for the others
+    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
     base = row0 * D
     rows = row0 + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     m_row, m_col = rows < M, cols < D
     mask = m_row[:, None] & m_col[None, :]
     offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
-    u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
-    m = tl.full([BT], float("-inf"), tl.float32)
-    z = tl.zeros([BT], tl.float32)
-    acc = tl.zeros([BT, BD], tl.float32)
-    for i in range(N):
-        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
-        r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
-        su = tl.sum(s * u[None, :], axis=1)
-        l = su * r
-        m_new = tl.maximum(m, l)
-        rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
-        p = tl.exp(l - m_new)
-        z = z * rescale + p
-        acc = acc * rescale[:, None] + p[:, None] * s
-        m = m_new
-        tl.store(su_ptr + (j * N + i) * M + rows, su, mask=m_row)
-        tl.store(r_ptr + i * M + rows, r, mask=m_row & (j == 0))
-    store_as(tl.load(table + 2 * N + 1 + j), tl.load(table + 2 * N), base, offs, mask, acc / z[:, None], ALIGNED)
-    tl.store(m_ptr + j * M + rows, m, mask=m_row)
-    tl.store(z_ptr + j * M + rows, z, mask=m_row)
-    tl.store(lse_ptr + j * M + rows, m + tl.log(z), mask=m_row)
+    for j in range(S):
+        u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
+        m = tl.full([BT], float("-inf"), tl.float32)
+        z = tl.zeros([BT], tl.float32)
+        acc = tl.zeros([BT, BD], tl.float32)
+        for i in range(N):
+            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+            r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
+            su = tl.sum(s * u[None, :], axis=1)
+            l = su * r
+            m_new = tl.maximum(m, l)
+            rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
+            p = tl.exp(l - m_new)
+            z = z * rescale + p
+            acc = acc * rescale[:, None] + p[:, None] * s
+            m = m_new
+            tl.store(su_ptr + (j * N + i) * M + rows, su, mask=m_row)
+            tl.store(r_ptr + i * M + rows, r, mask=m_row & (j == 0))
+        store_as(tl.load(table + 2 * N + 1 + j), tl.load(table + 2 * N), base, offs, mask, acc / z[:, None],
+                 ALIGNED)
+        tl.store(m_ptr + j * M + rows, m, mask=m_row)
+        tl.store(z_ptr + j * M + rows, z, mask=m_row)
+        tl.store(lse_ptr + j * M + rows, m + tl.log(z), mask=m_row)
 
 
 @triton.jit
@@ -136,33 +137,33 @@ def _inter_bwd_sources(
     table, u_ptr, su_ptr, r_ptr, m_ptr, z_ptr, dl_ptr, M, N, S,
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """Per (row tile, source i): ``ds_i`` summed over the S queries. The N programs of a row tile run side by side
-    and share its S gradient tiles in L2."""
-    i = tl.program_id(0) % N  # source fastest, as in _inter_fwd
-    row0 = tl.cast(tl.program_id(0) // N, tl.int64) * BT
+    """Per row tile, for each source i: ``ds_i`` summed over the S queries; the tile's S gradient tiles come from
+    memory for the first source and from the SM's cache for the others."""
+    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
     base = row0 * D
     rows = row0 + tl.arange(0, BT)
     cols = tl.arange(0, BD)
     m_row, m_col = rows < M, cols < D
     mask = m_row[:, None] & m_col[None, :]
     offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
-    code = tl.load(table + N + i)
-    s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
-    r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
     g_code = tl.load(table + 3 * N)
-    ds = tl.zeros([BT, BD], tl.float32)
-    c_s = tl.zeros([BT], tl.float32)
-    for j in range(S):
-        g = load_f32(tl.load(table + 3 * N + 1 + j), g_code, base, offs, mask, ALIGNED)
-        u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
-        su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
-        m = tl.load(m_ptr + j * M + rows, mask=m_row, other=0.0)
-        z = tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
-        dl = tl.load(dl_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
-        ds += (tl.exp(su * r - m) / z)[:, None] * g + (dl * r)[:, None] * u[None, :]
-        c_s += dl * su
-    ds -= (c_s * r * r * r / D)[:, None] * s
-    store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
+    for i in range(N):
+        code = tl.load(table + N + i)
+        s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
+        r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+        ds = tl.zeros([BT, BD], tl.float32)
+        c_s = tl.zeros([BT], tl.float32)
+        for j in range(S):
+            g = load_f32(tl.load(table + 3 * N + 1 + j), g_code, base, offs, mask, ALIGNED)
+            u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
+            su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
+            m = tl.load(m_ptr + j * M + rows, mask=m_row, other=0.0)
+            z = tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
+            dl = tl.load(dl_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
+            ds += (tl.exp(su * r - m) / z)[:, None] * g + (dl * r)[:, None] * u[None, :]
+            c_s += dl * su
+        ds -= (c_s * r * r * r / D)[:, None] * s
+        store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
 
 
 @triton.jit
@@ -247,7 +248,7 @@ def inter_fwd(
     table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], [DTYPE_CODES[first.dtype]], out_addrs],
                           first.device)
     BT, BD, warps = row_tiles(D, block_rows)
-    _inter_fwd[(S * triton.cdiv(M, BT),)](
+    _inter_fwd[(triton.cdiv(M, BT),)](
         table, queries, lse, su, r, mz[0], mz[1], M, N, S, eps,
         D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=num_warps or warps)
     return mixes, lse, su, r, mz
@@ -280,7 +281,7 @@ def inter_bwd(
     _inter_bwd_logits[(S, programs)](
         table, dlse if dlse is not None else su, su, r, mz[0], mz[1], dl, du_part, M, N, n_tiles,
         D=D, BT=BT, BD=BD, ALIGNED=ok, HAS_DLSE=dlse is not None, num_warps=warps)
-    _inter_bwd_sources[(N * n_tiles,)](
+    _inter_bwd_sources[(n_tiles,)](
         table, queries, su, r, mz[0], mz[1], dl, M, N, S, D=D, BT=BT, BD=BD, ALIGNED=ok, num_warps=warps)
     return d_blocks, du_part.sum(0)
 
