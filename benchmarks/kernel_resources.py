@@ -77,6 +77,20 @@ def _attn_res(N: int, M: int, D: int) -> list[aot.Launch]:
     return launches
 
 
+def _attn_res_two_phase(N: int, S: int, M: int, D: int) -> list[aot.Launch]:
+    from k3lit.kernels.attn_res import two_phase
+
+    blocks = [torch.empty(M, D, device=META, dtype=torch.float32 if i == 0 else torch.bfloat16) for i in range(N)]
+    queries = torch.empty(S, D, device=META)
+    names = ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")
+    with aot.record_launches(two_phase, *names) as launches:
+        mixes, lse, su, r, mz = two_phase.inter_fwd(blocks, queries, 1e-6)
+        two_phase.inter_bwd(blocks, queries, su, r, mz, [torch.empty_like(x) for x in mixes], lse)
+        two_phase.merge_bwd(mixes[1], mixes[1], lse[1], blocks[1], queries[1], 1e-6)
+        two_phase.merge_fwd(mixes[1], lse[1], blocks[1], queries[1], 1e-6)
+    return launches
+
+
 def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
     from k3lit.kernels.short_conv import conv
 
@@ -92,7 +106,8 @@ def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at issue 3's B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
     shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape);
-    the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py); the q|k|v short
+    the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py) and its two-phase
+    kernels for a block of 4 sublayers over 6 summaries at batch 8; the q|k|v short
     convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""
     return {
         "KDA K=V=128": _kda(4, 4096, 16, 128, 128, False, False),
@@ -103,6 +118,7 @@ def configs() -> dict[str, list[aot.Launch]]:
                                                                           scans_only=True),
         "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
         "AttnRes mix N=11 D=1024": _attn_res(11, 2 * 4096, 1024),
+        "AttnRes two-phase N=6 S=4 D=1024": _attn_res_two_phase(6, 4, 8 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
         "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8192),
     }
