@@ -38,6 +38,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
     expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd")}
+    expected |= {("AttnRes two-phase N=6 S=4 D=1024", n)
+                 for n in ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")}
     assert compiled == expected
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8), r
