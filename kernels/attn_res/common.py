@@ -57,6 +57,60 @@ def store_as(addr, code, base, offs, mask, x, ALIGNED: tl.constexpr):
         tl.store(typed(addr, tl.float16, ALIGNED) + base + offs, x.to(tl.float16), mask=mask)
 
 
+@triton.jit
+def row_tile(tile, M, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Row tile ``tile`` of an ``[M, D]`` tensor taken ``BT`` whole rows at a time: ``(base, rows, m_row, mask,
+    offs)``, the tile's int64 first element, its row indices and their mask, the ``[BT, BD]`` element mask and the
+    int32 offsets within the tile."""
+    row0 = tl.cast(tile, tl.int64) * BT
+    rows = row0 + tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    m_row = rows < M
+    return row0 * D, rows, m_row, m_row[:, None] & (cols < D)[None, :], tl.arange(0, BT)[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def online_mix(
+    table, N, u, su_ptr, su_row, r_ptr, store_r, base, offs, mask, rows, m_row, M, eps,
+    D: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """One query ``u`` (``[BD]`` float32) over the N sources of ``table``, one row tile, in one pass with an online
+    softmax (running max ``m`` and sum ``z``; the accumulator rescaled by ``exp(m_old - m_new)``): returns
+    ``(acc, m, z)`` with ``acc / z`` the mix. Stores ``s_i·u`` at ``su_ptr + (su_row + i) M + rows`` and, where
+    ``store_r``, ``1/rms(s_i)`` at ``r_ptr + i M + rows``, both float32, for the backward."""
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    z = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros(mask.shape, tl.float32)
+    for i in range(N):
+        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+        r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
+        su = tl.sum(s * u[None, :], axis=1)
+        l = su * r
+        m_new = tl.maximum(m, l)
+        rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
+        p = tl.exp(l - m_new)
+        z = z * rescale + p
+        acc = acc * rescale[:, None] + p[:, None] * s
+        m = m_new
+        tl.store(su_ptr + (su_row + i) * M + rows, su, mask=m_row)
+        tl.store(r_ptr + i * M + rows, r, mask=m_row & store_r)
+    return acc, m, z
+
+
+@triton.jit
+def softmax_dot(table, N, g, su_ptr, r_ptr, m, inv_z, base, offs, mask, rows, m_row, M, ALIGNED: tl.constexpr):
+    """``Σ_i a_i g·s_i`` (``[BT]``) for one query over the N sources of ``table``, one row tile: the weights
+    ``a_i = exp(su_i r_i - m) / z`` rebuilt from what :func:`online_mix` stored (``su_ptr``, ``r_ptr``) and its
+    ``m`` and ``inv_z = 1 / z``; ``g`` the ``[BT, BD]`` float32 upstream gradient."""
+    total = tl.zeros(rows.shape, tl.float32)
+    for i in range(N):
+        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
+        su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
+        r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
+        total += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
+    return total
+
+
 def row_tiles(D: int, block_rows: int | None) -> tuple[int, int, int]:
     """``(BT, BD, num_warps)``: whole rows, at least 4 warps, ELEMS_PER_THREAD values per thread and tile."""
     BD = triton.next_power_of_2(D)

@@ -34,7 +34,10 @@ from k3lit.kernels.attn_res.common import (
     aligned,
     load_f32,
     max_programs,
+    online_mix,
+    row_tile,
     row_tiles,
+    softmax_dot,
     store_as,
 )
 
@@ -44,30 +47,10 @@ def _mix_fwd(
     table, u_ptr, out, su_ptr, r_ptr, m_ptr, z_ptr, M, N, eps,
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
-    base = row0 * D
-    rows = row0 + tl.arange(0, BT)
+    base, rows, m_row, mask, offs = row_tile(tl.program_id(0), M, D, BT, BD)
     cols = tl.arange(0, BD)
-    m_row, m_col = rows < M, cols < D
-    mask = m_row[:, None] & m_col[None, :]
-    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
-    u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
-    m = tl.full([BT], float("-inf"), tl.float32)
-    z = tl.zeros([BT], tl.float32)
-    acc = tl.zeros([BT, BD], tl.float32)
-    for i in range(N):
-        s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
-        r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
-        su = tl.sum(s * u[None, :], axis=1)
-        l = su * r
-        m_new = tl.maximum(m, l)
-        rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
-        p = tl.exp(l - m_new)
-        z = z * rescale + p
-        acc = acc * rescale[:, None] + p[:, None] * s
-        m = m_new
-        tl.store(su_ptr + i * M + rows, su, mask=m_row)
-        tl.store(r_ptr + i * M + rows, r, mask=m_row)
+    u = tl.load(u_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    acc, m, z = online_mix(table, N, u, su_ptr, 0, r_ptr, True, base, offs, mask, rows, m_row, M, eps, D, ALIGNED)
     tl.store(out + base + offs, (acc / z[:, None]).to(out.dtype.element_ty), mask=mask)
     tl.store(m_ptr + rows, m, mask=m_row)
     tl.store(z_ptr + rows, z, mask=m_row)
@@ -81,24 +64,14 @@ def _mix_bwd(
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     m_col = cols < D
-    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
     u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
     du = tl.zeros([BD], tl.float32)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
-        row0 = tl.cast(tile, tl.int64) * BT
-        base = row0 * D
-        rows = row0 + tl.arange(0, BT)
-        m_row = rows < M
-        mask = m_row[:, None] & m_col[None, :]
+        base, rows, m_row, mask, offs = row_tile(tile, M, D, BT, BD)
         g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + rows, mask=m_row, other=0.0)
         inv_z = 1.0 / tl.load(z_ptr + rows, mask=m_row, other=1.0)
-        g_out = tl.zeros([BT], tl.float32)  # g·out = Σ a_i g·s_i
-        for i in range(N):
-            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
-            su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
-            r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-            g_out += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
+        g_out = softmax_dot(table, N, g, su_ptr, r_ptr, m, inv_z, base, offs, mask, rows, m_row, M, ALIGNED)  # g·out
         for i in range(N):
             code = tl.load(table + N + i)
             s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)

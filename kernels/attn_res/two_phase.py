@@ -47,7 +47,10 @@ from k3lit.kernels.attn_res.common import (
     aligned,
     load_f32,
     max_programs,
+    online_mix,
+    row_tile,
     row_tiles,
+    softmax_dot,
     store_as,
 )
 
@@ -59,31 +62,12 @@ def _inter_fwd(
 ):
     # one program per row tile, the queries one after another: the tile's summaries come from memory for the
     # first query and from the SM's cache for the others
-    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
-    base = row0 * D
-    rows = row0 + tl.arange(0, BT)
+    base, rows, m_row, mask, offs = row_tile(tl.program_id(0), M, D, BT, BD)
     cols = tl.arange(0, BD)
-    m_row, m_col = rows < M, cols < D
-    mask = m_row[:, None] & m_col[None, :]
-    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
     for j in range(S):
-        u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
-        m = tl.full([BT], float("-inf"), tl.float32)
-        z = tl.zeros([BT], tl.float32)
-        acc = tl.zeros([BT, BD], tl.float32)
-        for i in range(N):
-            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
-            r = tl.rsqrt(tl.sum(s * s, axis=1) / D + eps)
-            su = tl.sum(s * u[None, :], axis=1)
-            l = su * r
-            m_new = tl.maximum(m, l)
-            rescale = tl.exp(m - m_new)  # 0 at i = 0 (m = -inf)
-            p = tl.exp(l - m_new)
-            z = z * rescale + p
-            acc = acc * rescale[:, None] + p[:, None] * s
-            m = m_new
-            tl.store(su_ptr + (j * N + i) * M + rows, su, mask=m_row)
-            tl.store(r_ptr + i * M + rows, r, mask=m_row & (j == 0))
+        u = tl.load(u_ptr + j * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        acc, m, z = online_mix(table, N, u, su_ptr, j * N, r_ptr, j == 0, base, offs, mask, rows, m_row, M, eps, D,
+                               ALIGNED)
         store_as(tl.load(table + 2 * N + 1 + j), tl.load(table + 2 * N), base, offs, mask, acc / z[:, None],
                  ALIGNED)
         tl.store(m_ptr + j * M + rows, m, mask=m_row)
@@ -101,25 +85,16 @@ def _inter_bwd_logits(
     j = tl.program_id(0)
     pid = tl.program_id(1)
     cols = tl.arange(0, BD)
-    m_col = cols < D
-    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
     du = tl.zeros([BD], tl.float32)
     g_addr, g_code = tl.load(table + 3 * N + 1 + j), tl.load(table + 3 * N)
     for tile in range(pid, n_tiles, tl.num_programs(1)):
-        row0 = tl.cast(tile, tl.int64) * BT
-        base = row0 * D
-        rows = row0 + tl.arange(0, BT)
-        m_row = rows < M
-        mask = m_row[:, None] & m_col[None, :]
+        base, rows, m_row, mask, offs = row_tile(tile, M, D, BT, BD)
         g = load_f32(g_addr, g_code, base, offs, mask, ALIGNED)
         m = tl.load(m_ptr + j * M + rows, mask=m_row, other=0.0)
         inv_z = 1.0 / tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
-        g_out = tl.zeros([BT], tl.float32)  # g_j·mix_j - δ_j
-        for i in range(N):
-            s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
-            su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
-            r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-            g_out += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
+        # g_j·mix_j - δ_j
+        g_out = softmax_dot(table, N, g, su_ptr + j * N * M, r_ptr, m, inv_z, base, offs, mask, rows, m_row, M,
+                            ALIGNED)
         if HAS_DLSE:
             g_out -= tl.load(dlse_ptr + j * M + rows, mask=m_row, other=0.0)
         for i in range(N):
@@ -129,7 +104,7 @@ def _inter_bwd_logits(
             dl = tl.exp(su * r - m) * inv_z * (tl.sum(g * s, axis=1) - g_out)
             tl.store(dl_ptr + (j * N + i) * M + rows, dl, mask=m_row)
             du += tl.sum((dl * r)[:, None] * s, axis=0)
-    tl.store(du_part + (pid * tl.num_programs(0) + j) * D + cols, du, mask=m_col)
+    tl.store(du_part + (pid * tl.num_programs(0) + j) * D + cols, du, mask=cols < D)
 
 
 @triton.jit
@@ -139,13 +114,9 @@ def _inter_bwd_sources(
 ):
     """Per row tile, for each source i: ``ds_i`` summed over the S queries; the tile's S gradient tiles come from
     memory for the first source and from the SM's cache for the others."""
-    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
-    base = row0 * D
-    rows = row0 + tl.arange(0, BT)
+    base, rows, m_row, mask, offs = row_tile(tl.program_id(0), M, D, BT, BD)
     cols = tl.arange(0, BD)
-    m_row, m_col = rows < M, cols < D
-    mask = m_row[:, None] & m_col[None, :]
-    offs = tl.arange(0, BT)[:, None] * D + cols[None, :]
+    m_col = cols < D
     g_code = tl.load(table + 3 * N)
     for i in range(N):
         code = tl.load(table + N + i)
@@ -170,14 +141,10 @@ def _inter_bwd_sources(
 def _merge_fwd(
     mix, lse, p_ptr, u_ptr, h, M, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
-    row0 = tl.cast(tl.program_id(0), tl.int64) * BT
-    base = row0 * D
-    rows = row0 + tl.arange(0, BT)
+    base, rows, m_row, mask, offs = row_tile(tl.program_id(0), M, D, BT, BD)
+    offs += base
     cols = tl.arange(0, BD)
-    m_row, m_col = rows < M, cols < D
-    mask = m_row[:, None] & m_col[None, :]
-    offs = base + tl.arange(0, BT)[:, None] * D + cols[None, :]
-    u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     x = tl.load(mix + offs, mask=mask, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     l_p = tl.sum(p * u[None, :], axis=1) * tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
@@ -196,11 +163,8 @@ def _merge_bwd(
     u = tl.load(u_ptr + cols, mask=m_col, other=0.0).to(tl.float32)
     du = tl.zeros([BD], tl.float32)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
-        row0 = tl.cast(tile, tl.int64) * BT
-        rows = row0 + tl.arange(0, BT)
-        m_row = rows < M
-        mask = m_row[:, None] & m_col[None, :]
-        offs = row0 * D + tl.arange(0, BT)[:, None] * D + cols[None, :]
+        base, rows, m_row, mask, offs = row_tile(tile, M, D, BT, BD)
+        offs += base
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(mix + offs, mask=mask, other=0.0).to(tl.float32)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
