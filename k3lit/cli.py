@@ -71,6 +71,9 @@ class K3CLI(LightningCLI):
         for logger in self.trainer.loggers:  # continue metrics.csv only when a checkpoint is really loaded
             if isinstance(logger, RunCSVLogger):
                 logger.append = ckpt_path is not None
+        for cb in self.trainer.callbacks:  # and keep last.ckpt; a fresh run moves an earlier one aside
+            if isinstance(cb, LastCheckpoint):
+                cb.resume = ckpt_path is not None
         data_vocab = self.datamodule.vocab_size
         if model_cfg.vocab_size is None:
             model_cfg = dataclasses.replace(model_cfg, vocab_size=data_vocab)

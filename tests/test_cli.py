@@ -248,7 +248,8 @@ def test_progress_is_printed_as_lines_when_stdout_is_not_a_terminal(tmp_path, ca
 
 
 def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, cache, monkeypatch, recwarn):
-    """`--ckpt_path last` continues metrics.csv (the steps before the resume stay); a fresh run keeps the old file."""
+    """`--ckpt_path last` continues metrics.csv (the steps before the resume stay) and last.ckpt; a fresh run keeps
+    the old files aside and writes its own last.ckpt (not last-v1.ckpt beside a stale one)."""
     monkeypatch.chdir(Path(__file__).parents[1])
     main(fit_args(tmp_path, cache, 3))
     before = read_metric(tmp_path, "train/loss")
@@ -261,6 +262,13 @@ def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, 
     assert sorted(read_metric(tmp_path, "train/loss")) == [0, 1]
     with open(tmp_path / "metrics.1.csv") as f:
         assert sorted({int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]}) == list(range(6))
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "previous.1.ckpt"]
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 2
+    assert torch.load(ckpts / "previous.1.ckpt", weights_only=False)["global_step"] == 6
+    main(fit_args(tmp_path, cache, 4, "--ckpt_path", "last"))  # resumes the fresh run, not the one moved aside
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "previous.1.ckpt"]
 
 
 @pytest.mark.parametrize("form", ["last", "path"])

@@ -244,10 +244,29 @@ class LastCheckpoint(ModelCheckpoint):
     Lightning's triggers are exclusive: with ``every_n_train_steps`` set nothing is saved at the end of training,
     and after validation ``last`` is written only next to a top-k file. So the periodic save uses the step trigger
     and :meth:`on_train_end` writes the final state unless this step is already saved.
+
+    There is one ``last.ckpt`` per folder, the one ``--ckpt_path last``, ``k3lit generate`` and ``make generate``
+    read: a run that does not resume (``resume=False``) first moves an earlier run's ``last.ckpt`` aside to
+    ``previous.<n>.ckpt`` (with a warning naming it), where Lightning would write ``last-v1.ckpt`` beside it.
     """
 
-    def __init__(self, dirpath: str, every_n_train_steps: int) -> None:
-        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_train_steps)
+    def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int, resume: bool = False) -> None:
+        super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_train_steps,
+                         enable_version_counter=False)
+        self.resume = resume
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        last = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        if stage != "fit" or self.resume or not trainer.is_global_zero or not self._fs.exists(last):
+            return
+        n = 1
+        while self._fs.exists(aside := os.path.join(self.dirpath, f"previous.{n}{self.FILE_EXTENSION}")):
+            n += 1
+        self._fs.mv(last, aside)
+        rank_zero_warn(f"{last} of an earlier run was moved to {aside}: this run starts from scratch (pass "
+                       "--ckpt_path last to continue a run)")
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -11,10 +11,13 @@ Phase 2 (``merge``): sublayer j folds in its block's running partial sum ``p`` b
 
     l_p = (p·u_j) r_p    w = sigmoid(lse_j - l_p)    h = w mix_j + (1 - w) p
 
-which is the one-pass mix over ``[s_1 … s_N, p]`` (``k3lit.kernels.attn_res.mix``). The one-pass form reads
-every summary once per sublayer, its backward writes a gradient for every summary once per sublayer, and autograd
-adds those up: in a block of S sublayers, S reads, S gradient writes and S - 1 additions of full ``[B, T, D]``
-tensors per summary, where phase 1 makes one of each and phase 2 adds a read of ``mix_j`` and ``p`` per sublayer.
+which is the one-pass mix over ``[s_1 … s_N, p]`` (``k3lit.kernels.attn_res.mix``). In a block of S sublayers the
+one-pass form writes S gradients of full ``[B, T, D]`` tensors per summary, which autograd then adds up (S - 1
+additions), and reads every summary S times in the forward; phase 1 writes one gradient per summary, needs no
+addition, and its forward reads every summary from memory once (the other queries find it in the SM's cache).
+Its backward still reads each summary 2S + 1 times, all but the first from cache; phase 2 adds a read of
+``mix_j`` and ``p`` per sublayer. Measured on the H200 (benchmarks/RESULTS.md), phase 1 runs well below memory
+bandwidth, so the gain is in the gradient writes and additions.
 
 Backward of phase 1, upstream ``g_j`` (of mix_j) and ``δ_j`` (of lse_j)::
 
