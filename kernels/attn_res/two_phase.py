@@ -186,15 +186,13 @@ def _merge_bwd(
 
 
 def inter_fwd(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float, block_rows: int | None = None,
-    num_warps: int | None = None,
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1 forward on validated inputs.
 
     Args:
         blocks: N contiguous ``[..., D]`` summaries of one shape (float32 / bfloat16 / float16, may differ).
         queries: ``[S, D]`` contiguous.
-        block_rows, num_warps: the row tile (a power of two) and warps per program; defaults from S and D.
 
     Returns:
         ``(mixes, lse, su, r, mz)``: S mixes ``[..., D]`` in blocks[0]'s dtype; ``lse [S, ...]`` float32; for
@@ -214,29 +212,27 @@ def inter_fwd(
     addrs, out_addrs = [b.data_ptr() for b in blocks], [x.data_ptr() for x in mixes]
     table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], [DTYPE_CODES[first.dtype]], out_addrs],
                           first.device)
-    BT, BD, warps = row_tiles(D, block_rows)
+    BT, BD, warps = row_tiles(D, None)
     _inter_fwd[(triton.cdiv(M, BT),)](
         table, queries, lse, su, r, mz[0], mz[1], M, N, S, eps,
-        D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=num_warps or warps)
+        D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=warps)
     return mixes, lse, su, r, mz
 
 
 def inter_bwd(
     blocks: list[torch.Tensor], queries: torch.Tensor, su: torch.Tensor, r: torch.Tensor, mz: torch.Tensor,
-    grads: list[torch.Tensor], dlse: torch.Tensor | None, block_rows: int | None = None,
-    num_warps: int | None = None,
+    grads: list[torch.Tensor], dlse: torch.Tensor | None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Phase 1 backward: ``(d_blocks, d_queries)``, each block gradient in its block's dtype, ``d_queries``
     ``[S, D]`` float32. ``grads``: S contiguous gradients of the mixes (one dtype); ``dlse``: ``[S, ...]``
-    contiguous float32, or None for no gradient through the log-sum-exp. Tiles as :func:`inter_fwd`."""
+    contiguous float32, or None for no gradient through the log-sum-exp."""
     first = blocks[0]
     D, N, S = first.shape[-1], len(blocks), queries.shape[0]
     M = first.numel() // D
     d_blocks = [torch.empty_like(b) for b in blocks]
     if M == 0:
         return d_blocks, torch.zeros(S, D, dtype=torch.float32, device=first.device)
-    BT, BD, warps = row_tiles(D, block_rows)
-    warps = num_warps or warps
+    BT, BD, warps = row_tiles(D, None)
     n_tiles = triton.cdiv(M, BT)
     programs = min(n_tiles, max(1, max_programs(first.device) // S))
     du_part = first.new_empty(programs, S, D, dtype=torch.float32)
