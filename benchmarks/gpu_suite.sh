@@ -8,8 +8,8 @@
 #   LOGS=/tmp/k3lit-gpu bash benchmarks/gpu_suite.sh
 #
 # Sections written: "KDA kernels", "KDA with fused gate and q/k L2 norm", "Attention residuals × checkpointing
-# (<GPU>, 300m, batch 8)"; the throughput JSON goes to $LOGS/throughput_small.json (write its section with
-# `python benchmarks/throughput.py --from_json ...`). Six compile workers: twelve ran a 140 GB H200 out of memory.
+# (<GPU>, 300m, batch 8)", "Attention residuals: depth-mix kernel (<GPU>)"; the throughput JSON goes to
+# $LOGS/throughput_small.json (write its section with `python benchmarks/throughput.py --from_json ...`). Six compile workers: twelve ran a 140 GB H200 out of memory.
 set -u
 cd "$(git rev-parse --show-toplevel)"
 LOGS=${LOGS:-/tmp/k3lit-gpu}
@@ -19,7 +19,7 @@ t0=$(date +%s)
 stamp() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
 
 for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker "$i/6" > "$LOGS/worker$i.log" 2>&1 & done
-timeout 300 python -m pytest -q -m gpu tests/kernels -p no:cacheprovider > "$LOGS/pytest.log" 2>&1
+timeout 300 python -m pytest -q -m gpu tests/kernels tests/test_model.py -p no:cacheprovider > "$LOGS/pytest.log" 2>&1
 stamp "GPU tests: $(tail -1 "$LOGS/pytest.log")"
 wait
 stamp "fla compile workers"
@@ -27,6 +27,7 @@ timeout 420 python benchmarks/kda.py > "$LOGS/kda.log" 2>&1; stamp "kda.py (rc $
 timeout 120 python benchmarks/kda.py --fused-inputs --no-fla > "$LOGS/fused.log" 2>&1; stamp "kda.py --fused-inputs (rc $?)"
 timeout 150 python benchmarks/attnres.py speed --size 300m --batch 8 --repeats 3 --residuals plain block_attnres \
   --policies none block block:7 > "$LOGS/attnres.log" 2>&1; stamp "attnres.py (rc $?)"
+timeout 90 python benchmarks/attnres.py mix --batch 8 --sources 6 11 > "$LOGS/mix.log" 2>&1; stamp "attnres.py mix (rc $?)"
 timeout 150 python benchmarks/throughput.py --recipe recipes/small.yaml --json "$LOGS/throughput_small.json" \
   --lightning "$LOGS/lightning" > "$LOGS/throughput.log" 2>&1; stamp "throughput.py (rc $?)"
 grep -h "^| \|Target" "$LOGS/kda.log" | tail -12
