@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -97,8 +98,14 @@ class K3CLI(LightningCLI):
         what the sub-command loads. Raises FileNotFoundError for a path that is no checkpoint."""
         ckpt_path = self._get(self.config_init, "ckpt_path")
         if ckpt_path in ("last", "hpc"):
-            fn = TrainerFn(self.subcommand)
-            ckpt_path = self.trainer._checkpoint_connector._parse_ckpt_path(fn, ckpt_path, True, False)
+            fn, asked = TrainerFn(self.subcommand), ckpt_path
+            with warnings.catch_warnings():  # Lightning's hint (set save_last=True) does not apply: k3lit does
+                warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+                ckpt_path = self.trainer._checkpoint_connector._parse_ckpt_path(fn, ckpt_path, True, False)
+            if ckpt_path is None and asked == "last":
+                where = [str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if cb.dirpath]
+                rank_zero_warn(f"--ckpt_path last: no last.ckpt in {' or '.join(where) or 'the run folder'} yet; "
+                               "this run starts from scratch")
             self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
         return None if ckpt_path is None else str(check_checkpoint(ckpt_path))
 

@@ -329,3 +329,15 @@ def test_generate_checks_sampling_flags_before_loading(tmp_path, capsys, flag):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--ckpt", str(tmp_path / "not_read.ckpt"), *flag])
     assert e.value.code == 2 and f"({flag[0]}): must be" in capsys.readouterr().err
+
+
+def test_resume_from_an_empty_folder_starts_from_scratch_and_says_where_it_looked(tmp_path, cache, monkeypatch,
+                                                                                  recwarn):
+    """`--ckpt_path last` before any checkpoint exists (the first job of a chain) is not an error: the warning
+    names the folder k3lit looked in, instead of Lightning's hint to set ``save_last`` (k3lit does)."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 2, "--ckpt_path", "last"))
+    assert sorted(read_metric(tmp_path, "train/loss")) == [0, 1]
+    messages = [str(w.message) for w in recwarn]
+    assert any("no last.ckpt in" in m and str(tmp_path / "checkpoints") in m for m in messages)
+    assert not any("save_last=True" in m for m in messages)
