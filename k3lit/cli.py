@@ -132,15 +132,15 @@ class K3CLI(LightningCLI):
         return model_cfg
 
     def _default_outputs(self) -> dict:
-        """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured.
-        A run given ``--ckpt_path`` continues the directory's ``metrics.csv`` (:class:`RunCSVLogger`)."""
+        """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured. A run that
+        loads a checkpoint continues the folder's ``metrics.csv`` and ``last.ckpt`` (:meth:`instantiate_classes`)."""
         cfg = self._get(self.config_init, "trainer", default={})
         root = Path(cfg.get("default_root_dir") or "runs/default")
         out: dict = {}
         if cfg.get("logger") in (None, True):
             out["logger"] = [
                 TensorBoardLogger(root, name="", version=""),
-                RunCSVLogger(root, append=bool(self._get(self.config_init, "ckpt_path"))),
+                RunCSVLogger(root),  # append: set in instantiate_classes, once the checkpoint is resolved
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):

@@ -144,10 +144,10 @@ def test_missing_vocab_raises():
         K3LM(dataclasses.replace(TINY, vocab_size=None))
 
 
-def twins(policy: str, **kw) -> tuple[K3LM, K3LM]:
-    """``build(**kw)`` and a model with the same weights under checkpoint ``policy``."""
+def twins(policy: str, checkpoint_blocks: int | None = None, **kw) -> tuple[K3LM, K3LM]:
+    """``build(**kw)`` and a model with the same weights under checkpoint ``policy`` (and ``checkpoint_blocks``)."""
     ref = build(**kw)
-    ckpt = build(**kw, activation_checkpointing=policy)
+    ckpt = build(**kw, activation_checkpointing=policy, checkpoint_blocks=checkpoint_blocks)
     ckpt.load_state_dict(ref.state_dict())
     return ref, ckpt
 
@@ -205,10 +205,7 @@ def test_block_policy_with_kept_blocks_is_bit_identical(seed, residual):
     """Recomputing only the first segment gives the loss and gradients of ``none``, bit for bit (float64)."""
     idx = torch.randint(0, 50, (2, 11))
     results = []
-    ref = build(residual=residual, attnres_block_size=2)
-    ckpt = build(residual=residual, attnres_block_size=2, activation_checkpointing="block", checkpoint_blocks=1)
-    ckpt.load_state_dict(ref.state_dict())
-    for model in (ref, ckpt):
+    for model in twins("block", checkpoint_blocks=1, residual=residual, attnres_block_size=2):
         loss = lm_loss(model, idx)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))

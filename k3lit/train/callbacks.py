@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from k3lit.train.flops import peak_flops, training_flops
+from k3lit.train.run_dir import move_aside
 
 __all__ = ["K3ThroughputMonitor", "LastCheckpoint", "ProgressLines", "SlurmRequeue"]
 
@@ -259,14 +260,8 @@ class LastCheckpoint(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         last = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        if stage != "fit" or self.resume or not trainer.is_global_zero or not self._fs.exists(last):
-            return
-        n = 1
-        while self._fs.exists(aside := os.path.join(self.dirpath, f"previous.{n}{self.FILE_EXTENSION}")):
-            n += 1
-        self._fs.mv(last, aside)
-        rank_zero_warn(f"{last} of an earlier run was moved to {aside}: this run starts from scratch (pass "
-                       "--ckpt_path last to continue a run)")
+        if stage == "fit" and not self.resume and trainer.is_global_zero and self._fs.exists(last):
+            move_aside(self._fs, last, "previous")
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -8,8 +8,9 @@ import os
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
+
+from k3lit.train.run_dir import move_aside
 
 __all__ = ["RunCSVLogger"]
 
@@ -57,11 +58,5 @@ class _RunWriter(ExperimentWriter):
 
     @override
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
-        if self.append or not self._fs.isfile(self.metrics_file_path):
-            return
-        n = 1
-        while self._fs.exists(aside := os.path.join(self.log_dir, f"metrics.{n}.csv")):
-            n += 1
-        self._fs.mv(self.metrics_file_path, aside)
-        rank_zero_warn(f"{self.metrics_file_path} of an earlier run was moved to {aside}: this run starts from "
-                       "scratch (pass --ckpt_path last to continue a run and its metrics.csv)")
+        if not self.append and self._fs.isfile(self.metrics_file_path):
+            move_aside(self._fs, self.metrics_file_path, "metrics")
