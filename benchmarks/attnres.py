@@ -6,7 +6,7 @@
     # validation loss at a fixed token budget on the tiny recipe: plain, block S=2, S=4, full, two seeds each
     python benchmarks/attnres.py quality
     # the depth mix alone: fused Triton kernels vs the PyTorch form, N = 2, 6, 11 sources at B 2 x T 4096 x D 1024
-    python benchmarks/attnres.py mix                         # H200 (add --sweep to time every row tile)
+    python benchmarks/attnres.py mix                         # H200 (add --sweep to time each launch setting)
     TRITON_INTERPRET=1 python benchmarks/attnres.py mix --dim 96 --seq 8 --sources 2 3   # CPU smoke run
 
 Activation memory is the peak during forward + backward minus the memory held before it (parameters; the
@@ -236,23 +236,44 @@ def mix_case(n: int, layout: str, shape: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-def mix_sweep(n: int, shape: tuple[int, ...]) -> str:
-    """Forward and backward kernel times per row tile (block_rows), fp32 embedding + bf16 layout."""
-    from k3lit.kernels.attn_res.common import row_tiles
+def mix_sweep(n: int, shape: tuple[int, ...], block: int = 4) -> str:
+    """Each launch setting of the depth-mix kernels (``k3lit.kernels.attn_res.common.TILES``) varied alone, the
+    others at their defaults: median ms of the launchers that use it, over n summaries (fp32 embedding + bf16),
+    ``block`` queries for the two-phase kernels."""
+    from k3lit.kernels.attn_res.common import TILES
     from k3lit.kernels.attn_res.mix import mix_bwd, mix_fwd
+    from k3lit.kernels.attn_res.two_phase import inter_bwd, inter_fwd, merge_bwd, merge_fwd
 
-    sources, u, grad = _mix_inputs(n, MIX_LAYOUTS["fp32 emb + bf16"], shape)
-    sources = [s.detach() for s in sources]
-    u = u.detach()
-    default = row_tiles(shape[-1], None)[0]
-    lines = [f"row-tile sweep, N = {n}, shape {tuple(shape)}, fp32 emb + bf16 (default block_rows {default})", "",
-             "| block_rows | fwd ms | bwd ms |", "|---|---|---|"]
-    for bt in (1, 2, 4, 8, 16):
-        _, src_stats, row_stats = mix_fwd(sources, u, 1e-6, bt)
-        f = _median_ms(lambda bt=bt: mix_fwd(sources, u, 1e-6, bt), [])
-        b = _median_ms(lambda bt=bt, st=(src_stats, row_stats): mix_bwd(sources, u, *st, grad, bt), [])
-        lines.append(f"| {bt} | {f:.3f} | {b:.3f} |")
-        print(lines[-1], flush=True)
+    blocks, _, grad = _mix_inputs(n, MIX_LAYOUTS["fp32 emb + bf16"], shape)
+    blocks = [b.detach() for b in blocks]
+    queries = torch.randn(block, shape[-1], device=blocks[0].device) / shape[-1] ** 0.5
+    grads, dlse = [grad.float()] * block, torch.randn(block, *shape[:-1], device=grad.device)
+    mixes, lse, su, r, mz = inter_fwd(blocks, queries, 1e-6)
+    sources = blocks + [blocks[-1]]
+    _, src_stats, row_stats = mix_fwd(sources, queries[0], 1e-6)
+    launchers = {
+        "mix_fwd": lambda: mix_fwd(sources, queries[0], 1e-6),
+        "mix_bwd": lambda: mix_bwd(sources, queries[0], src_stats, row_stats, grads[0]),
+        "inter_fwd": lambda: inter_fwd(blocks, queries, 1e-6),
+        "inter_bwd": lambda: inter_bwd(blocks, queries, su, r, mz, grads, dlse),
+        "merge_fwd": lambda: merge_fwd(mixes[1], lse[1], blocks[-1], queries[1], 1e-6),
+        "merge_bwd": lambda: merge_bwd(grads[1], mixes[1], lse[1], blocks[-1], queries[1], 1e-6),
+    }
+    timed = {"inter_bwd_logits": ["inter_bwd"], "inter_bwd_sources": ["inter_bwd"],
+             "grid_warps_per_sm": ["mix_bwd", "inter_bwd", "merge_bwd"]}
+    lines = [f"launch settings, N = {n}, {block} queries, shape {tuple(shape)}, fp32 emb + bf16: each setting "
+             "varied alone (* = default), median ms of the launchers that use it", "",
+             "| setting | value | launchers | ms |", "|---|---|---|---|"]
+    for key, default in list(TILES.items()):
+        names = timed.get(key, [key])
+        for value in (8, 16, 32, 64) if key == "grid_warps_per_sm" else (1, 2, 4):
+            TILES[key] = value
+            try:
+                t = sum(_median_ms(launchers[name], []) for name in names)
+            finally:
+                TILES[key] = default
+            lines.append(f"| {key} | {value}{'*' if value == default else ''} | {' + '.join(names)} | {t:.3f} |")
+            print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -323,7 +344,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096, help="mix: sequence length")
     parser.add_argument("--dim", type=int, default=1024, help="mix: model width D")
     parser.add_argument("--sources", type=int, nargs="+", default=[2, 6, 11], help="mix: source counts N")
-    parser.add_argument("--sweep", action="store_true", help="mix: also time every row tile")
+    parser.add_argument("--sweep", action="store_true", help="mix: also time each launch setting")
     args = parser.parse_args()
     if args.mode == "speed":  # the run's rows replace its whole section: list every row the section should keep
         rows = run_speed(args.size, args.repeats, args.residuals, args.policies, args.compile, args.batch)

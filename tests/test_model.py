@@ -106,6 +106,22 @@ def test_generate_rejects_bad_sampling_settings(kwargs, message):
         model.generate(torch.zeros(1, 3, dtype=torch.long), **{"max_new_tokens": 2, **kwargs})
 
 
+@pytest.mark.parametrize("residual,block", [("block_attnres", 2), ("full_attnres", 1)])
+def test_reads_take_the_autocast_dtype(seed, residual, block):
+    """Under bf16 autocast every sublayer reads a bf16 mix (the embedding stays float32, the summaries are bf16
+    sublayer outputs); without autocast the float32 model reads float32."""
+    model = K3LM(dataclasses.replace(TINY, residual=residual, attnres_block_size=block))
+    idx = torch.randint(0, 50, (2, 9))
+    for autocast, want in ((True, torch.bfloat16), (False, torch.float32)):
+        seen = []
+        hooks = [sub.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype)) for sub in model.sublayers]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(idx)[0].float().sum().backward()
+        for h in hooks:
+            h.remove()
+        assert seen == [want] * len(model.sublayers)
+
+
 def test_router_bias_stays_float32_under_bf16():
     model = K3LM(TINY).to(torch.bfloat16)
     for moe in model.moe_layers():

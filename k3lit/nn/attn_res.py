@@ -38,6 +38,16 @@ class AttnResMixer(nn.Module):
         return attn_res_mix(sources, self(), self.eps)
 
 
+def mix_dtype(embedding: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the two-phase reads' mixes: under autocast, the autocast dtype, which the sublayers' outputs and
+    so the block summaries and partial sums already are; None otherwise (the embedding's dtype). A mix is a
+    sublayer's input, formed in float32 and rounded once; keeping it in float32 beside the float32 embedding
+    would move twice the bytes through every read, merge and pre-norm (on the H200 at 300m that was ~7 ms of a
+    ~300 ms step; benchmarks/RESULTS.md)."""
+    kind = embedding.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 def block_read(
     eps: float, mix: torch.Tensor, lse: torch.Tensor | None = None, partial: torch.Tensor | None = None,
     query: torch.Tensor | None = None,
@@ -75,10 +85,10 @@ class BlockResidualStream:
         it into the sublayer's input. The caller must :meth:`add` each sublayer's output before asking for the
         next tuple. At each block start (or at the first mixer) one phase-1 read of the completed summaries serves
         every mixer up to the block's end (:func:`k3lit.ops.attn_res.attn_res_inter_block`)."""
-        k = 0
+        k, dtype = 0, mix_dtype(self.blocks[0])
         while k < len(mixers):
             queries = [m() for m in mixers[k : k + self.block_size - self.n_in_block]]
-            mixes, lse = attn_res_inter_block(self.blocks, torch.stack(queries), self.eps)
+            mixes, lse = attn_res_inter_block(self.blocks, torch.stack(queries), self.eps, out_dtype=dtype)
             for j, mix in enumerate(mixes):
                 yield (mix,) if self.partial is None else (mix, lse[j], self.partial, queries[j])
             k += len(queries)

@@ -117,7 +117,8 @@ def attn_res_reference(
 
 
 def attn_res_inter_block(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-6, backend: str = "auto"
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-6, backend: str = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Phase 1 of two-phase Block AttnRes (arXiv 2603.15031 §4): the softmax mix over the N completed block
     summaries for all S sublayers of a block, in one read of the summaries, with each mix's log-sum-exp for the
@@ -128,9 +129,11 @@ def attn_res_inter_block(
         queries: ``[S, D]`` the S sublayers' ``w ⊙ γ``.
         eps: the RMSNorm epsilon.
         backend: as :func:`attn_res_mix` (Triton: :func:`k3lit.kernels.attn_res.inter_block_triton`).
+        out_dtype: the mixes' dtype; None for ``blocks[0]``'s. The block stream passes the autocast dtype under
+            autocast (the mixes are sublayer inputs; the summaries they mix are in that dtype already).
 
     Returns:
-        ``(mixes, lse)``: S tensors ``[B, T, D]`` in ``blocks[0]``'s dtype, and ``lse [S, B, T]`` in float32
+        ``(mixes, lse)``: S tensors ``[B, T, D]`` in ``out_dtype``, and ``lse [S, B, T]`` in float32
         (float64 for float64 blocks); ``mixes[j]`` equals :func:`attn_res_mix` of the blocks with query j.
 
     Raises:
@@ -140,15 +143,15 @@ def attn_res_inter_block(
         raise ValueError("attn_res_inter_block needs at least one block")
     kernels = _dispatch(backend, blocks[0])
     if backend == "triton":
-        return kernels.inter_block_triton(blocks, queries, eps)
-    if kernels is not None and kernels.unsupported_inter(blocks, queries) is None:
-        return kernels.fused_inter_block(blocks, queries, eps)
+        return kernels.inter_block_triton(blocks, queries, eps, out_dtype)
+    if kernels is not None and kernels.unsupported_inter(blocks, queries, out_dtype) is None:
+        return kernels.fused_inter_block(blocks, queries, eps, out_dtype)
     acc = torch.promote_types(blocks[0].dtype, torch.float32)
     u = queries.to(acc)
     logits = torch.stack([(b.to(acc) @ u.T) * inv_rms(b, eps)[..., None] for b in blocks])  # [N, B, T, S]
     lse = torch.logsumexp(logits, dim=0)  # [B, T, S]
     a = torch.exp(logits - lse)
-    mixes = [sum(a[i, ..., j, None] * b.to(acc) for i, b in enumerate(blocks)).to(blocks[0].dtype)
+    mixes = [sum(a[i, ..., j, None] * b.to(acc) for i, b in enumerate(blocks)).to(out_dtype or blocks[0].dtype)
              for j in range(queries.shape[0])]
     return mixes, lse.movedim(-1, 0)
 

@@ -87,19 +87,20 @@ class _MixFn(torch.autograd.Function):
 
 @torch.library.custom_op("k3lit::attn_res_inter_fwd", mutates_args=())
 def _inter_fwd_op(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float, out_dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(mixes, lse, su, r, mz)``; the last three are saved for the backward (see ``inter_fwd``)."""
-    return inter_fwd(blocks, queries, eps)
+    return inter_fwd(blocks, queries, eps, out_dtype)
 
 
 @_inter_fwd_op.register_fake
-def _(blocks, queries, eps):
+def _(blocks, queries, eps, out_dtype):
     first, N, S = blocks[0], len(blocks), queries.shape[0]
     M = first.numel() // first.shape[-1]
     f32 = torch.float32
-    return ([torch.empty_like(first) for _ in range(S)], first.new_empty(S, *first.shape[:-1], dtype=f32),
-            first.new_empty(S, N, M, dtype=f32), first.new_empty(N, M, dtype=f32), first.new_empty(2, S, M, dtype=f32))
+    return ([torch.empty_like(first, dtype=out_dtype) for _ in range(S)],
+            first.new_empty(S, *first.shape[:-1], dtype=f32), first.new_empty(S, N, M, dtype=f32),
+            first.new_empty(N, M, dtype=f32), first.new_empty(2, S, M, dtype=f32))
 
 
 @torch.library.custom_op("k3lit::attn_res_inter_bwd", mutates_args=())
@@ -125,7 +126,7 @@ def _mix_grads(ctx, grads) -> list[torch.Tensor]:
 
 
 def _inter_setup_context(ctx, inputs, output):
-    blocks, queries, _ = inputs
+    blocks, queries, _, _ = inputs
     mixes, _, su, r, mz = output
     ctx.mark_non_differentiable(su, r, mz)
     ctx.set_materialize_grads(False)
@@ -137,18 +138,18 @@ def _inter_backward(ctx, mix_grads, dlse, *_unused):
     queries, su, r, mz, *blocks = ctx.saved_tensors
     dlse = dlse.contiguous() if dlse is not None else None
     d_blocks, d_queries = _inter_bwd_op(blocks, queries, su, r, mz, _mix_grads(ctx, mix_grads), dlse)
-    return d_blocks, d_queries.to(queries.dtype), None
+    return d_blocks, d_queries.to(queries.dtype), None, None
 
 
 _inter_fwd_op.register_autograd(_inter_backward, setup_context=_inter_setup_context)
 
 
 class _InterFn(torch.autograd.Function):
-    """The eager form of the phase-1 custom ops: ``(*mixes, lse)`` from ``(queries, eps, *blocks)``."""
+    """The eager form of the phase-1 custom ops: ``(*mixes, lse)`` from ``(queries, eps, out_dtype, *blocks)``."""
 
     @staticmethod
-    def forward(ctx, queries: torch.Tensor, eps: float, *blocks: torch.Tensor):  # noqa: D102
-        mixes, lse, su, r, mz = inter_fwd(list(blocks), queries, eps)
+    def forward(ctx, queries: torch.Tensor, eps: float, out_dtype: torch.dtype, *blocks: torch.Tensor):  # noqa: D102
+        mixes, lse, su, r, mz = inter_fwd(list(blocks), queries, eps, out_dtype)
         ctx.mark_non_differentiable(su, r, mz)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(queries, su, r, mz, *blocks)
@@ -160,7 +161,7 @@ class _InterFn(torch.autograd.Function):
         queries, su, r, mz, *blocks = ctx.saved_tensors
         dlse = grads[-1].contiguous() if grads[-1] is not None else None
         d_blocks, d_queries = inter_bwd(blocks, queries, su, r, mz, _mix_grads(ctx, grads[:-1]), dlse)
-        return (d_queries.to(queries.dtype), None, *d_blocks)
+        return (d_queries.to(queries.dtype), None, None, *d_blocks)
 
 
 @torch.library.custom_op("k3lit::attn_res_merge_fwd", mutates_args=())
@@ -274,10 +275,14 @@ def fused_mix(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> t
     return _MixFn.apply(query.contiguous(), float(eps), *sources)
 
 
-def unsupported_inter(blocks: list[torch.Tensor], queries: torch.Tensor) -> str | None:
+def unsupported_inter(
+    blocks: list[torch.Tensor], queries: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> str | None:
     """Why :func:`inter_block_triton` cannot take these inputs (None when it can)."""
     if queries.dim() != 2 or queries.shape[0] == 0:
         return f"queries must be [S, D] with S >= 1, got {tuple(queries.shape)}"
+    if out_dtype is not None and out_dtype not in DTYPE_CODES:
+        return f"out_dtype must be among {sorted(map(str, DTYPE_CODES))}, got {out_dtype}"
     return unsupported(blocks, queries[0])
 
 
@@ -289,7 +294,7 @@ def unsupported_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tenso
 
 
 def inter_block_triton(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-6
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Phase 1 of two-phase Block AttnRes in Triton: every query's softmax mix over the N completed block
     summaries, and its log-sum-exp, in one launch (``two_phase.py``). Differentiable in the blocks and queries.
@@ -298,29 +303,31 @@ def inter_block_triton(
         blocks: N tensors ``[..., D]`` of one shape, each float32, bfloat16 or float16 (may differ), D <= 8192.
         queries: ``[S, D]``, one ``w ⊙ γ`` per sublayer of the block.
         eps: the RMSNorm epsilon.
+        out_dtype: the mixes' dtype (float32, bfloat16 or float16); None for blocks[0]'s.
 
     Returns:
-        ``(mixes, lse)``: S tensors ``[..., D]`` in blocks[0]'s dtype and ``lse [S, ...]`` float32. The backward
+        ``(mixes, lse)``: S tensors ``[..., D]`` in ``out_dtype`` and ``lse [S, ...]`` float32. The backward
         saves ``[S, N, M]`` + ``[N, M]`` + ``[2, S, M]`` float32 statistics (M rows) and references to the blocks.
 
     Raises:
-        ValueError: as :func:`attn_res_mix_triton`, or queries not ``[S, D]``.
+        ValueError: as :func:`attn_res_mix_triton`, queries not ``[S, D]``, or an unsupported ``out_dtype``.
     """
-    reason = unsupported_inter(blocks, queries)
+    reason = unsupported_inter(blocks, queries, out_dtype)
     if reason is not None:
         raise ValueError(f"inter_block_triton: {reason}")
-    return fused_inter_block(blocks, queries, eps)
+    return fused_inter_block(blocks, queries, eps, out_dtype)
 
 
 def fused_inter_block(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`inter_block_triton` without its checks, for callers that ran :func:`unsupported_inter`."""
     blocks, queries = [b.contiguous() for b in blocks], queries.contiguous()
+    out_dtype = out_dtype or blocks[0].dtype
     if torch.compiler.is_compiling():
-        mixes, lse = _inter_fwd_op(blocks, queries, float(eps))[:2]
+        mixes, lse = _inter_fwd_op(blocks, queries, float(eps), out_dtype)[:2]
         return mixes, lse
-    *mixes, lse = _InterFn.apply(queries, float(eps), *blocks)
+    *mixes, lse = _InterFn.apply(queries, float(eps), out_dtype, *blocks)
     return list(mixes), lse
 
 

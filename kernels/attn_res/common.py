@@ -19,10 +19,12 @@ import triton
 import triton.language as tl
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_DIM = 8192  # a whole row per tile: at 16 warps, 16 values per thread and tile
-# 16 values per thread and tile (BT * BD = 2048 at 4 warps): sm_90 compiles of the forward / backward then take
-# about 64 / 93 registers at D = 1024 (BT = 2), no spills, so 8 / 5 programs share an SM.
-ELEMS_PER_THREAD = 16
+MAX_DIM = 8192  # a whole row per tile: at 8 warps a row, 32 values per thread
+# Launch settings: each kernel's warps per 1024 columns (:func:`row_tiles`' ``warp_scale``), and the warps per SM
+# that the persistent (fixed-grid) backward kernels are launched with. From the H200 sweep
+# ``python benchmarks/attnres.py mix --sweep`` (benchmarks/RESULTS.md, "Attention residuals: launch settings").
+TILES = {"mix_fwd": 1, "mix_bwd": 2, "inter_fwd": 1, "inter_bwd_logits": 1, "inter_bwd_sources": 2, "merge_fwd": 2,
+         "merge_bwd": 2, "grid_warps_per_sm": 16}
 
 
 @triton.jit
@@ -111,11 +113,15 @@ def softmax_dot(table, N, g, su_ptr, r_ptr, m, inv_z, base, offs, mask, rows, m_
     return total
 
 
-def row_tiles(D: int, block_rows: int | None) -> tuple[int, int, int]:
-    """``(BT, BD, num_warps)``: whole rows, at least 4 warps, ELEMS_PER_THREAD values per thread and tile."""
+def row_tiles(D: int, kernel: str) -> tuple[int, int, int]:
+    """``(BT, BD, num_warps)`` of ``kernel`` (a key of TILES): tiles of ``BT`` whole rows (``BD`` = D rounded up to
+    a power of two, masked), 32 values per thread. At warp scale 1, one warp per 1024 columns: at D <= 1024 a
+    row's reductions stay inside its warp (shuffles; no shared memory, no barrier) and many small programs keep
+    many loads in flight; scale k gives k times the warps and the rows (at most 8 warps). On the H200 at
+    D = 1024, one-warp rows ran the phase-1 forward 1.6x faster than session 6's 4-warp tiles of 2 rows."""
     BD = triton.next_power_of_2(D)
-    BT = block_rows or max(1, min(16, 4 * 32 * ELEMS_PER_THREAD // BD))
-    return BT, BD, max(4, min(16, BT * BD // (32 * ELEMS_PER_THREAD)))
+    warps = min(8, max(1, BD // 1024) * TILES[kernel])  # 16 warps of 128+ registers would spill
+    return max(1, 1024 * warps // BD), BD, warps
 
 
 # Device copies of recent tables, keyed by (device, stream, content). Training allocates the same tensors at the
@@ -145,12 +151,17 @@ def address_table(columns: list[list[int]], device: torch.device) -> torch.Tenso
     return table
 
 
-@functools.cache
-def max_programs(device: torch.device) -> int:
-    """Backward grid: 4 programs per SM on CUDA; 3 under the interpreter so tests run the tile loop unevenly."""
+def grid_programs(device: torch.device, warps: int) -> int:
+    """Programs of a persistent grid of ``warps``-warp programs: ``TILES["grid_warps_per_sm"]`` warps per SM on CUDA;
+    3 under the interpreter, so that tests run the tile loop unevenly."""
     if device.type != "cuda":
         return 3
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device) * max(1, TILES["grid_warps_per_sm"] // warps)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def aligned(addrs: list[int]) -> bool:

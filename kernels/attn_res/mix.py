@@ -32,8 +32,8 @@ from k3lit.kernels.attn_res.common import (
     DTYPE_CODES,
     address_table,
     aligned,
+    grid_programs,
     load_f32,
-    max_programs,
     online_mix,
     row_tile,
     row_tiles,
@@ -88,14 +88,13 @@ def _mix_bwd(
 
 
 def mix_fwd(
-    sources: list[torch.Tensor], query: torch.Tensor, eps: float, block_rows: int | None = None
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs (see :func:`k3lit.kernels.attn_res.attn_res_mix_triton`).
 
     Args:
         sources: N contiguous ``[..., D]`` tensors of one shape (float32 / bfloat16 / float16, may differ).
         query: ``[D]`` contiguous.
-        block_rows: rows per program (a power of two); default from D.
 
     Returns:
         ``(out, src_stats, row_stats)``: out ``[..., D]`` in sources[0]'s dtype; ``src_stats [2, N, M]`` float32
@@ -112,7 +111,7 @@ def mix_fwd(
         return out, src_stats, row_stats
     addrs = [s.data_ptr() for s in sources]
     table = address_table([addrs, [DTYPE_CODES[s.dtype] for s in sources]], first.device)
-    BT, BD, warps = row_tiles(D, block_rows)
+    BT, BD, warps = row_tiles(D, "mix_fwd")
     _mix_fwd[(triton.cdiv(M, BT),)](
         table, query, out, src_stats[0], src_stats[1], row_stats[0], row_stats[1], M, N, eps,
         D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs), num_warps=warps)
@@ -121,7 +120,7 @@ def mix_fwd(
 
 def mix_bwd(
     sources: list[torch.Tensor], query: torch.Tensor, src_stats: torch.Tensor, row_stats: torch.Tensor,
-    grad: torch.Tensor, block_rows: int | None = None,
+    grad: torch.Tensor,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Launch the backward kernel: ``(d_sources, d_query)``, each source gradient in its source's dtype and
     ``d_query`` ``[D]`` float32. Statistics as :func:`mix_fwd` returns them; ``grad`` contiguous, out's shape."""
@@ -131,9 +130,9 @@ def mix_bwd(
     d_sources = [torch.empty_like(s) for s in sources]
     if M == 0:
         return d_sources, torch.zeros(D, dtype=torch.float32, device=first.device)
-    BT, BD, warps = row_tiles(D, block_rows)
+    BT, BD, warps = row_tiles(D, "mix_bwd")
     n_tiles = triton.cdiv(M, BT)
-    programs = min(n_tiles, max_programs(first.device))
+    programs = min(n_tiles, grid_programs(first.device, warps))
     du_part = first.new_empty(programs, D, dtype=torch.float32)
     addrs = [s.data_ptr() for s in sources]
     d_addrs = [d.data_ptr() for d in d_sources]

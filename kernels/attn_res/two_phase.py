@@ -48,8 +48,8 @@ from k3lit.kernels.attn_res.common import (
     DTYPE_CODES,
     address_table,
     aligned,
+    grid_programs,
     load_f32,
-    max_programs,
     online_mix,
     row_tile,
     row_tiles,
@@ -186,23 +186,24 @@ def _merge_bwd(
 
 
 def inter_fwd(
-    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float
+    blocks: list[torch.Tensor], queries: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1 forward on validated inputs.
 
     Args:
         blocks: N contiguous ``[..., D]`` summaries of one shape (float32 / bfloat16 / float16, may differ).
         queries: ``[S, D]`` contiguous.
+        out_dtype: the mixes' dtype (float32 / bfloat16 / float16); None for blocks[0]'s.
 
     Returns:
-        ``(mixes, lse, su, r, mz)``: S mixes ``[..., D]`` in blocks[0]'s dtype; ``lse [S, ...]`` float32; for
+        ``(mixes, lse, su, r, mz)``: S mixes ``[..., D]`` in ``out_dtype``; ``lse [S, ...]`` float32; for
         the backward ``su [S, N, M]`` (``s_i·u_j``), ``r [N, M]`` (``1/rms(s_i)``) and ``mz [2, S, M]`` (the
         softmax's max and denominator), float32, M = number of rows.
     """
     first = blocks[0]
     D, N, S = first.shape[-1], len(blocks), queries.shape[0]
     M = first.numel() // D
-    mixes = [torch.empty_like(first) for _ in range(S)]
+    mixes = [torch.empty_like(first, dtype=out_dtype) for _ in range(S)]
     lse = first.new_empty(S, *first.shape[:-1], dtype=torch.float32)
     su = first.new_empty(S, N, M, dtype=torch.float32)
     r = first.new_empty(N, M, dtype=torch.float32)
@@ -210,9 +211,9 @@ def inter_fwd(
     if M == 0:
         return mixes, lse, su, r, mz
     addrs, out_addrs = [b.data_ptr() for b in blocks], [x.data_ptr() for x in mixes]
-    table = address_table([addrs, [DTYPE_CODES[b.dtype] for b in blocks], [DTYPE_CODES[first.dtype]], out_addrs],
-                          first.device)
-    BT, BD, warps = row_tiles(D, None)
+    codes = [DTYPE_CODES[b.dtype] for b in blocks]
+    table = address_table([addrs, codes, [DTYPE_CODES[mixes[0].dtype]], out_addrs], first.device)
+    BT, BD, warps = row_tiles(D, "inter_fwd")
     _inter_fwd[(triton.cdiv(M, BT),)](
         table, queries, lse, su, r, mz[0], mz[1], M, N, S, eps,
         D=D, BT=BT, BD=BD, ALIGNED=aligned(addrs + out_addrs), num_warps=warps)
@@ -232,9 +233,9 @@ def inter_bwd(
     d_blocks = [torch.empty_like(b) for b in blocks]
     if M == 0:
         return d_blocks, torch.zeros(S, D, dtype=torch.float32, device=first.device)
-    BT, BD, warps = row_tiles(D, None)
+    BT, BD, warps = row_tiles(D, "inter_bwd_logits")
     n_tiles = triton.cdiv(M, BT)
-    programs = min(n_tiles, max(1, max_programs(first.device) // S))
+    programs = min(n_tiles, max(1, grid_programs(first.device, warps) // S))
     du_part = first.new_empty(programs, S, D, dtype=torch.float32)
     dl = first.new_empty(S, N, M, dtype=torch.float32)
     addrs, d_addrs, g_addrs = ([x.data_ptr() for x in xs] for xs in (blocks, d_blocks, grads))
@@ -244,7 +245,8 @@ def inter_bwd(
     _inter_bwd_logits[(S, programs)](
         table, dlse if dlse is not None else su, su, r, mz[0], mz[1], dl, du_part, M, N, n_tiles,
         D=D, BT=BT, BD=BD, ALIGNED=ok, HAS_DLSE=dlse is not None, num_warps=warps)
-    _inter_bwd_sources[(n_tiles,)](
+    BT, BD, warps = row_tiles(D, "inter_bwd_sources")
+    _inter_bwd_sources[(triton.cdiv(M, BT),)](
         table, queries, su, r, mz[0], mz[1], dl, M, N, S, D=D, BT=BT, BD=BD, ALIGNED=ok, num_warps=warps)
     return d_blocks, du_part.sum(0)
 
@@ -257,7 +259,7 @@ def merge_fwd(
     M = mix.numel() // D
     h = torch.empty_like(mix)
     if M:
-        BT, BD, warps = row_tiles(D, None)
+        BT, BD, warps = row_tiles(D, "merge_fwd")
         _merge_fwd[(triton.cdiv(M, BT),)](mix, lse, partial, query, h, M, eps, D=D, BT=BT, BD=BD, num_warps=warps)
     return h
 
@@ -273,9 +275,9 @@ def merge_bwd(
     dlse = torch.empty_like(lse)
     if M == 0:
         return dmix, dlse, dp, torch.zeros(D, dtype=torch.float32, device=mix.device)
-    BT, BD, warps = row_tiles(D, None)
+    BT, BD, warps = row_tiles(D, "merge_bwd")
     n_tiles = triton.cdiv(M, BT)
-    programs = min(n_tiles, max_programs(mix.device))
+    programs = min(n_tiles, grid_programs(mix.device, warps))
     du_part = mix.new_empty(programs, D, dtype=torch.float32)
     _merge_bwd[(programs,)](grad, mix, lse, partial, query, dmix, dlse, dp, du_part, M, n_tiles, eps,
                             D=D, BT=BT, BD=BD, num_warps=warps)

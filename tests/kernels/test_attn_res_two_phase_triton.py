@@ -32,12 +32,12 @@ def double_leaves(xs):
     return [x.detach().double().requires_grad_() for x in xs]
 
 
-def check_inter(blocks, queries, tol_out, tol_blocks, use=None):
+def check_inter(blocks, queries, tol_out, tol_blocks, use=None, out_dtype=None):
     """Phase 1 on the kernels against float64: mixes, lse and the gradients of every block and of the queries,
     under a loss that weighs each mix and each log-sum-exp by random values. ``use``: the mixes that enter the
-    loss (others get no gradient); all by default."""
+    loss (others get no gradient); all by default. ``out_dtype``: the mixes' dtype (blocks[0]'s by default)."""
     queries = queries.clone().requires_grad_()
-    mixes, lse = attn_res_inter_block(blocks, queries, backend="triton")
+    mixes, lse = attn_res_inter_block(blocks, queries, backend="triton", out_dtype=out_dtype)
     ref_in = double_leaves([*blocks, queries])
     ref_mixes, ref_lse = attn_res_inter_block(ref_in[:-1], ref_in[-1], backend="torch")
     S = queries.shape[0]
@@ -45,7 +45,7 @@ def check_inter(blocks, queries, tol_out, tol_blocks, use=None):
     assert len(mixes) == S and lse.dtype == torch.float32 and lse.shape == (S, *blocks[0].shape[:-1])
     assert rel_rms(lse, ref_lse) < TOL_F32
     for x, r in zip(mixes, ref_mixes):
-        assert x.dtype == blocks[0].dtype and rel_rms(x, r) < tol_out
+        assert x.dtype == (out_dtype or blocks[0].dtype) and rel_rms(x, r) < tol_out
     dys = [torch.randn_like(r) for r in ref_mixes]
     dl = torch.randn_like(ref_lse)
     (sum((mixes[j] * dys[j].to(mixes[j].dtype)).sum() for j in use) + (lse * dl.float()).sum()).backward()
@@ -65,6 +65,14 @@ def test_inter_mixed_dtypes_and_unused_mix(seed):
     """float32 embedding beside bf16 summaries (the model's layout); a mix outside the loss gets no gradient."""
     blocks = leaves(4, (2, 9, 200), (torch.float32, torch.bfloat16))
     check_inter(blocks, torch.randn(4, 200, device=DEV), TOL_F32, [TOL_F32] + [TOL_LOW] * 3, use=[0, 2])
+
+
+def test_inter_bf16_mixes_of_float32_embedding(seed):
+    """``out_dtype``: the model's reads under bf16 autocast mix the float32 embedding and bf16 summaries into bf16
+    mixes, whose gradients then arrive in bf16; the float32 embedding's gradient stays float32-accurate."""
+    blocks = leaves(3, (2, 9, 200), (torch.float32, torch.bfloat16))
+    check_inter(blocks, torch.randn(3, 200, device=DEV), TOL_LOW, [TOL_F32] + [TOL_LOW] * 2,
+                out_dtype=torch.bfloat16)
 
 
 def test_inter_many_queries(seed):
@@ -134,6 +142,8 @@ def test_triton_rejects():
                        backend="triton")
     with pytest.raises(ValueError, match="at least one block"):
         attn_res_inter_block([], torch.zeros(1, 8, device=DEV))
+    with pytest.raises(ValueError, match="out_dtype must be among"):
+        attn_res_inter_block([x], torch.zeros(1, 8, device=DEV), backend="triton", out_dtype=torch.float64)
 
 
 # ------------------------------------------------------------------------------------------------------------
