@@ -23,6 +23,7 @@ from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream, block_read
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.nn.mlp import SwiGLU
 from k3lit.nn.moe import MoE
+from k3lit.nn.norm import RMSNorm
 from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
 
 LAYER_TYPES = {"K": "KDA", "A": "softmax attention"}
@@ -179,7 +180,7 @@ class Sublayer(nn.Module):
 
     def __init__(self, op: nn.Module, dim: int, eps: float, attn_res: bool) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.norm = RMSNorm(dim, eps=eps)
         self.op = op
         self.res_mixer = AttnResMixer(dim, eps) if attn_res else None
 
@@ -222,7 +223,7 @@ class K3LM(nn.Module):
             sublayers += [Sublayer(mixer, c.dim, c.norm_eps, attn_res), Sublayer(channel, c.dim, c.norm_eps, attn_res)]
         self.sublayers = nn.ModuleList(sublayers)
         self.final_res_mixer = AttnResMixer(c.dim, c.norm_eps) if attn_res else None
-        self.norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.norm = RMSNorm(c.dim, eps=c.norm_eps)
         self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
         self.reset_parameters()
         if c.tie_embeddings:

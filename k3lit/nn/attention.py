@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3lit.nn.norm import RMSNorm
+
 
 @dataclass
 class KVCache:
@@ -33,8 +35,8 @@ class SoftmaxAttention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, head_dim
         self.qkv = nn.Linear(dim, 3 * n_heads * head_dim, bias=False)
-        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps)
-        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps)
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
 
     def forward(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from k3lit.nn.norm import RMSNorm
 from k3lit.nn.short_conv import ShortConvolution
 from k3lit.ops.kda import check_gate_bound, kda, kda_step, largest_safe_chunk
 
@@ -64,7 +65,7 @@ class KimiDeltaAttention(nn.Module):
         self.f_up = nn.Linear(head_dim, inner, bias=False)
         self.gate_bias = nn.Parameter(torch.empty(inner))
         self.o_up = nn.Linear(head_dim, inner, bias=True)
-        self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(inner, dim, bias=False)
         self.reset_parameters()
 

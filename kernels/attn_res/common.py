@@ -24,7 +24,7 @@ MAX_DIM = 8192  # a whole row per tile: at 8 warps a row, 32 values per thread
 # that the persistent (fixed-grid) backward kernels are launched with. From the H200 sweep
 # ``python benchmarks/attnres.py mix --sweep`` (benchmarks/RESULTS.md, "Attention residuals: launch settings").
 TILES = {"mix_fwd": 1, "mix_bwd": 2, "inter_fwd": 1, "inter_bwd_logits": 1, "inter_bwd_sources": 2, "merge_fwd": 2,
-         "merge_bwd": 2, "grid_warps_per_sm": 16}
+         "merge_bwd": 2, "grid_warps_per_sm": 32}
 
 
 @triton.jit

@@ -1,0 +1,27 @@
+"""RMSNorm that keeps torch's fused kernel when a low-precision input meets a float32 weight (autocast)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.RMSNorm):
+    """:class:`torch.nn.RMSNorm` (``x / sqrt(mean(x^2) + eps) * weight`` over the last dims) whose float32 weight
+    is cast to a bfloat16 / float16 input's dtype for the call.
+
+    Under autocast a norm's input is often bf16 (the output of an autocast matrix product, or a Block AttnRes
+    read) while its weight is float32; torch then leaves its fused CUDA kernel for the composite form (several
+    elementwise kernels, float32 intermediates saved for backward). With the weight in the input's dtype, as
+    FSDP2's ``param_dtype`` makes every weight, the fused kernel runs (float32 arithmetic inside) and the weight's
+    gradient is cast back to float32. Inputs in float32 or float64 take exactly :class:`torch.nn.RMSNorm`'s path.
+
+    Shapes: ``[..., *normalized_shape] -> same``, in the input's dtype.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is not None and x.dtype in (torch.bfloat16, torch.float16) and w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
