@@ -27,7 +27,7 @@ timeout 420 python benchmarks/kda.py > "$LOGS/kda.log" 2>&1; stamp "kda.py (rc $
 timeout 120 python benchmarks/kda.py --fused-inputs --no-fla > "$LOGS/fused.log" 2>&1; stamp "kda.py --fused-inputs (rc $?)"
 timeout 150 python benchmarks/attnres.py speed --size 300m --batch 8 --repeats 3 --residuals plain block_attnres \
   --policies none block block:7 > "$LOGS/attnres.log" 2>&1; stamp "attnres.py (rc $?)"
-timeout 90 python benchmarks/attnres.py mix --batch 8 --sources 6 11 > "$LOGS/mix.log" 2>&1; stamp "attnres.py mix (rc $?)"
+timeout 150 python benchmarks/attnres.py mix --batch 8 --sources 6 11 --sweep > "$LOGS/mix.log" 2>&1; stamp "attnres.py mix (rc $?)"
 timeout 150 python benchmarks/throughput.py --recipe recipes/small.yaml --json "$LOGS/throughput_small.json" \
   --lightning "$LOGS/lightning" > "$LOGS/throughput.log" 2>&1; stamp "throughput.py (rc $?)"
 grep -h "^| \|Target" "$LOGS/kda.log" | tail -12

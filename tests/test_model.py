@@ -114,7 +114,8 @@ def test_reads_take_the_autocast_dtype(seed, residual, block):
     idx = torch.randint(0, 50, (2, 9))
     for autocast, want in ((True, torch.bfloat16), (False, torch.float32)):
         seen = []
-        hooks = [sub.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype)) for sub in model.sublayers]
+        hooks = [sub.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].dtype))
+                 for sub in model.sublayers]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(idx)[0].float().sum().backward()
         for h in hooks:
