@@ -146,18 +146,30 @@ class K3LitModule(L.LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Norm clipping over DTensor gradients on different meshes (expert and dense shards) goes through
-        :func:`k3lit.parallel.clip_grad_norm_`; everything else through Lightning."""
+        """Clip here unless a gradient scaler (``16-mixed``) must unscale first, which Lightning does.
+
+        Without a scaler (float32, ``bf16-mixed``) there is nothing to unscale, but Lightning's AMP plugin still
+        refuses any optimizer that could unscale in its step, the fused AdamW that :meth:`OptimConfig.build` picks
+        for plain CUDA parameters among them (RuntimeError "does not allow for gradient clipping"). Norm clipping
+        over DTensor gradients on different meshes (expert and dense shards) goes through
+        :func:`k3lit.parallel.clip_grad_norm_`, plain gradients through torch's ``clip_grad_norm_`` /
+        ``clip_grad_value_``, as Lightning would call them."""
+        if not gradient_clip_val:
+            return
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
         from torch.distributed.tensor import DTensor
 
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and any(
-            isinstance(p, DTensor) for p in self.parameters()
-        ):
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
+        elif any(isinstance(p, DTensor) for p in params):
             from k3lit.parallel import clip_grad_norm_
 
-            clip_grad_norm_(self.parameters(), float(gradient_clip_val))
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            clip_grad_norm_(params, float(gradient_clip_val))
+        else:
+            torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -185,5 +197,8 @@ class K3LitModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        opt, sched = self.optim_config.build(self.model, int(self.trainer.estimated_stepping_batches))
+        # a gradient scaler (16-mixed) unscales before clipping, which a fused AdamW (unscaling in its step) forbids
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        opt, sched = self.optim_config.build(self.model, int(self.trainer.estimated_stepping_batches),
+                                             fused=scaler is None)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -46,13 +46,14 @@ class OptimConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def build(
-        self, model: nn.Module, total_steps: int
+        self, model: nn.Module, total_steps: int, fused: bool = True
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         """AdamW over ``model`` (decay only on parameters with >= 2 dims) and its step-wise schedule.
 
         The fused AdamW kernel (one launch per parameter group and step, like ``benchmarks/throughput.py``) when
-        every parameter is a plain CUDA tensor; elsewhere torch's default: ``foreach`` for DTensor parameters
-        (FSDP2, expert meshes), the per-parameter loop on CPU (whose numerics the CPU tests pin).
+        ``fused`` and every parameter is a plain CUDA tensor; elsewhere torch's default: ``foreach`` for DTensor
+        parameters (FSDP2, expert meshes), the per-parameter loop on CPU (whose numerics the CPU tests pin).
+        ``fused=False`` where a gradient scaler must unscale the gradients before clipping (fp16 autocast).
         """
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -61,7 +62,7 @@ class OptimConfig:
             lr=self.lr,
             betas=(self.beta1, self.beta2),
             eps=self.eps,
-            fused=True if _fused_supported(decay + no_decay) else None,
+            fused=True if fused and _fused_supported(decay + no_decay) else None,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps))
         return opt, sched
