@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import k3lit.ops.attn_res as attn_res_ops
 from k3lit.model import K3LM, ModelConfig
 from k3lit.ops.attn_res import attn_res_reference
 from k3lit.testing import rel_rms
@@ -282,29 +283,33 @@ def test_meta_init_weights_equal_construction(kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
 @pytest.mark.parametrize("residual,block", [("block_attnres", 4), ("block_attnres", 3), ("full_attnres", 1)])
-def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block):
+def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block, monkeypatch):
     """On CUDA the AttnRes reads run on the Triton kernels (two-phase, and the one-pass final read), KDA on its
     kernels. Against the literal float64 loop, the float32 model's loss and gradients (all parameters as one
-    vector) are as accurate as the same float32 model on the CPU's PyTorch forms. With random pseudo-queries the
-    depth softmax is sharp and float32 itself errs by up to ~2e-3 on single parameters (CPU, 3 seeds), so the
-    yardstick is float32 PyTorch, not a fixed tolerance."""
+    vector) are as accurate as the same float32 model on the same GPU with the PyTorch forms of KDA and AttnRes.
+    With random pseudo-queries the depth softmax is sharp and float32 itself errs by up to ~2e-3 on single
+    parameters, so the yardstick is float32 PyTorch, not a fixed tolerance; and it is PyTorch on the GPU, whose
+    float32 matrix products and attention err 1-3x more than the CPU's here (seeds 1, 2, 785300229 in session 7)."""
     cfg = dict(residual=residual, attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
     model = build(**cfg)
-    cpu32 = K3LM(dataclasses.replace(TINY, **cfg))
-    gpu32 = K3LM(dataclasses.replace(TINY, kda_backend="triton", **cfg)).cuda()
-    for m in (cpu32, gpu32):
-        m.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     idx = torch.randint(0, TINY.vocab_size, (2, 37))
 
     def loss(logits):
         return torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), idx[:, 1:].flatten().to(logits.device))
 
-    losses = [loss(literal_forward(model, idx[:, :-1]))]
-    losses += [loss(m(idx[:, :-1].to(dev))[0]) for m, dev in ((cpu32, "cpu"), (gpu32, "cuda"))]
-    grads = []
-    for m, value in zip((model, cpu32, gpu32), losses):
-        value.backward()
-        grads.append(torch.cat([p.grad.double().cpu().flatten() for p in m.parameters()]))
-    ref, cpu, gpu = grads
-    assert abs(losses[2].item() - losses[0].item()) <= 3 * abs(losses[1].item() - losses[0].item()) + 1e-6
-    assert rel_rms(gpu, ref) <= 3 * rel_rms(cpu, ref) + 1e-6
+    def float32_on_gpu(kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m = K3LM(dataclasses.replace(TINY, kda_backend="triton" if kernels else "torch", **cfg)).cuda()
+        m.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        with monkeypatch.context() as patch:
+            if not kernels:  # "auto" then takes the PyTorch forms of the AttnRes reads on CUDA too
+                patch.setattr(attn_res_ops, "_kernels", lambda: None)
+            value = loss(m(idx[:, :-1].cuda())[0])
+            value.backward()
+        return value, torch.cat([p.grad.double().cpu().flatten() for p in m.parameters()])
+
+    ref_loss = loss(literal_forward(model, idx[:, :-1]))
+    ref_loss.backward()
+    ref = torch.cat([p.grad.double().cpu().flatten() for p in model.parameters()])
+    (gpu_loss, gpu), (torch_loss, torch_grads) = float32_on_gpu(True), float32_on_gpu(False)
+    assert abs(gpu_loss.item() - ref_loss.item()) <= 3 * abs(torch_loss.item() - ref_loss.item()) + 1e-6
+    assert rel_rms(gpu, ref) <= 3 * rel_rms(torch_grads, ref) + 1e-6
