@@ -42,8 +42,8 @@ def mix_dtype(embedding: torch.Tensor) -> torch.dtype | None:
     """The dtype of the two-phase reads' mixes: under autocast, the autocast dtype, which the sublayers' outputs and
     so the block summaries and partial sums already are; None otherwise (the embedding's dtype). A mix is a
     sublayer's input, formed in float32 and rounded once; keeping it in float32 beside the float32 embedding
-    moves twice the bytes through every read, merge and pre-norm (on the H200 at 300m, batch 8 x 4096: 283 ms a
-    step against 269 ms; benchmarks/RESULTS.md, "Attention residuals × checkpointing ... against the targets")."""
+    moves twice the bytes through every phase-1 write, merge and pre-norm (benchmarks/RESULTS.md, "Attention
+    residuals × checkpointing (H200, 300m, batch 8): against the targets")."""
     kind = embedding.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
