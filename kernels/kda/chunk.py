@@ -714,9 +714,15 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``bwd_bv``: value columns per scan program (None: by :func:`_scan_plan`); ``*_warps``: warps per program
 #: (``scan_warps`` None: 4 for K <= 128, else 8); ``main_bwd_bv``: value block of :func:`_main_bwd` (None: 64, or
 #: 32 for V > 128, where 32 took 14.43 against 14.81 ms fwd+bwd at B8 T2048 H32 D256 on the H200).
+#: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and :func:`_wy_fwd` (None: 64,
+#: or K / V rounded up to a power of two when smaller). Offline sm_90a compiles (benchmarks/kernel_resources.py's
+#: machinery) put 32-wide blocks at 162 registers for ``_intra_fwd`` on 4 warps (3 blocks per SM, against 4 blocks of
+#: 2 warps today) and at 80 for ``_wy_fwd`` on 2 warps (12 blocks per SM, against 8 of 1 warp); Nsight Compute found
+#: every forward kernel at 12.5% occupancy and ~46% of DRAM peak (benchmarks/RESULTS.md). Not yet timed.
 #: ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
-                    wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None)
+                    wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
+                    wy_bv=None)
 
 
 @functools.cache
@@ -788,9 +794,11 @@ def chunk_fwd(
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
     _intra_fwd[(NC, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0, rnq, rnk,
-                        H=H, K=K, C=C, BK=BKi, F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["intra_warps"])
-    _wy_fwd[(NC, H)](k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, H=H, K=K, V=V, C=C, BK=BKi, BV=min(64, _pow2(V)),
-                     F32=F32, L2=qk_l2norm, SAVE=save, num_warps=TUNING["wy_warps"])
+                        H=H, K=K, C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate, L2=qk_l2norm,
+                        num_warps=TUNING["intra_warps"])
+    _wy_fwd[(NC, H)](k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, H=H, K=K, V=V, C=C,
+                     BK=min(TUNING["wy_bk"] or 64, _pow2(K)), BV=min(TUNING["wy_bv"] or 64, _pow2(V)), F32=F32,
+                     L2=qk_l2norm, SAVE=save, num_warps=TUNING["wy_warps"])
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
     scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,

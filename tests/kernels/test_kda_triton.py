@@ -95,6 +95,16 @@ def test_forward_backward_matches_reference(seed, scan_layout, B, T, H, K, V):
     assert_errors(run_both(make_inputs(B, T, H, K, V)), TOL_F32)
 
 
+def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
+    """The 32-wide key / value steps of the forward's per-chunk kernels (``chunk.TUNING`` alternatives that
+    ``kda_breakdown.py --sweep`` times), at K and V that span more than one step and are not multiples of it."""
+    from k3lit.kernels.kda import chunk
+
+    for key, value in dict(intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
+        monkeypatch.setitem(chunk.TUNING, key, value)
+    assert_errors(run_both(make_inputs(1, 70, 2, 80, 72)), TOL_F32)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
     """Without a backward to follow, the forward skips what only the backward reads (M; the states and Delta on
