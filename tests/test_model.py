@@ -124,6 +124,19 @@ def test_reads_take_the_autocast_dtype(seed, residual, block):
         assert seen == [want] * len(model.sublayers)
 
 
+def test_reads_of_float64_and_meta_models_ignore_autocast(seed):
+    """Autocast leaves a float64 model alone, so its reads stay float64 (a bf16 mix would meet float64 weights);
+    a model on the meta device (no autocast there) still runs its forward. Dense models: the MoE router's
+    autocast guard takes neither case (not k3lit's reads)."""
+    model = K3LM(dataclasses.replace(TINY, residual="block_attnres", attnres_block_size=2, n_experts=0)).double()
+    idx = torch.randint(0, 50, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(idx)[0].dtype == torch.float64
+    with torch.device("meta"):
+        meta = K3LM(dataclasses.replace(TINY, residual="block_attnres", attnres_block_size=2, n_experts=0))
+    assert meta(idx.to("meta"))[0].shape == (2, 9, 50)
+
+
 def test_router_bias_stays_float32_under_bf16():
     model = K3LM(TINY).to(torch.bfloat16)
     for moe in model.moe_layers():

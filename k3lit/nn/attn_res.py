@@ -39,12 +39,15 @@ class AttnResMixer(nn.Module):
 
 
 def mix_dtype(embedding: torch.Tensor) -> torch.dtype | None:
-    """The dtype of the two-phase reads' mixes: under autocast, the autocast dtype, which the sublayers' outputs and
-    so the block summaries and partial sums already are; None otherwise (the embedding's dtype). A mix is a
+    """The dtype of the two-phase reads' mixes: under autocast of a float32 model, the autocast dtype, which the
+    sublayers' outputs and so the block summaries and partial sums already are; None otherwise (the embedding's
+    dtype; autocast leaves float64 alone, and devices without autocast, such as ``meta``, have none). A mix is a
     sublayer's input, formed in float32 and rounded once; keeping it in float32 beside the float32 embedding
     moves twice the bytes through every phase-1 write, merge and pre-norm (benchmarks/RESULTS.md, "Attention
     residuals × checkpointing (H200, 300m, batch 8): against the targets")."""
     kind = embedding.device.type
+    if embedding.dtype != torch.float32 or not torch.amp.is_autocast_available(kind):
+        return None
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 

@@ -137,10 +137,13 @@ def attn_res_inter_block(
         (float64 for float64 blocks); ``mixes[j]`` equals :func:`attn_res_mix` of the blocks with query j.
 
     Raises:
-        ValueError: no blocks, an unknown backend, or ``"triton"`` for inputs the kernels do not take.
+        ValueError: no blocks, an unknown backend, a non-floating ``out_dtype``, or ``"triton"`` for inputs the
+            kernels do not take.
     """
     if not blocks:
         raise ValueError("attn_res_inter_block needs at least one block")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating-point dtype (or None for blocks[0]'s), got {out_dtype}")
     kernels = _dispatch(backend, blocks[0])
     if backend == "triton":
         return kernels.inter_block_triton(blocks, queries, eps, out_dtype)

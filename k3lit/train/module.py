@@ -146,30 +146,34 @@ class K3LitModule(L.LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip here unless a gradient scaler (``16-mixed``) must unscale first, which Lightning does.
+        """Lightning's clipping, except in two cases that it gets wrong.
 
-        Without a scaler (float32, ``bf16-mixed``) there is nothing to unscale, but Lightning's AMP plugin still
-        refuses any optimizer that could unscale in its step, the fused AdamW that :meth:`OptimConfig.build` picks
-        for plain CUDA parameters among them (RuntimeError "does not allow for gradient clipping"). Norm clipping
-        over DTensor gradients on different meshes (expert and dense shards) goes through
-        :func:`k3lit.parallel.clip_grad_norm_`, plain gradients through torch's ``clip_grad_norm_`` /
-        ``clip_grad_value_``, as Lightning would call them."""
-        if not gradient_clip_val:
-            return
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            return
+        - Norm clipping over DTensor gradients on different meshes (expert and dense shards) goes through
+          :func:`k3lit.parallel.clip_grad_norm_`.
+        - A fused optimizer (the fused AdamW that :meth:`OptimConfig.build` picks for plain CUDA parameters) under
+          Lightning's mixed precision without a gradient scaler (``bf16-mixed``): there is nothing to unscale, but
+          the plugin refuses any optimizer that unscales in its step (RuntimeError "does not allow for gradient
+          clipping"); torch's ``clip_grad_norm_`` / ``clip_grad_value_`` run here instead, as the plugin would
+          call them. Under ``16-mixed`` with clipping, :meth:`configure_optimizers` builds no fused AdamW.
+        """
+        from lightning.pytorch.plugins.precision import MixedPrecision
         from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
-        elif any(isinstance(p, DTensor) for p in params):
+        algorithm = gradient_clip_algorithm or "norm"
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and algorithm == "norm" and any(isinstance(p, DTensor) for p in params):
             from k3lit.parallel import clip_grad_norm_
 
             clip_grad_norm_(params, float(gradient_clip_val))
+        elif (gradient_clip_val and optimizer.defaults.get("fused") and isinstance(plugin, MixedPrecision)
+              and plugin.scaler is None):
+            if algorithm == "value":
+                torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
+            else:
+                torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
         else:
-            torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -197,8 +201,9 @@ class K3LitModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        # a gradient scaler (16-mixed) unscales before clipping, which a fused AdamW (unscaling in its step) forbids
+        # with clipping, a gradient scaler (16-mixed) must unscale first, which a fused AdamW (it unscales in its
+        # step) does not allow
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        opt, sched = self.optim_config.build(self.model, int(self.trainer.estimated_stepping_batches),
-                                             fused=scaler is None)
+        fused = scaler is None or not self.trainer.gradient_clip_val
+        opt, sched = self.optim_config.build(self.model, int(self.trainer.estimated_stepping_batches), fused=fused)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

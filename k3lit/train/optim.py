@@ -53,7 +53,7 @@ class OptimConfig:
         The fused AdamW kernel (one launch per parameter group and step, like ``benchmarks/throughput.py``) when
         ``fused`` and every parameter is a plain CUDA tensor; elsewhere torch's default: ``foreach`` for DTensor
         parameters (FSDP2, expert meshes), the per-parameter loop on CPU (whose numerics the CPU tests pin).
-        ``fused=False`` where a gradient scaler must unscale the gradients before clipping (fp16 autocast).
+        ``fused=False`` where a gradient scaler must unscale the gradients before they are clipped (fp16 autocast).
         """
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]

@@ -20,9 +20,9 @@ import triton.language as tl
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_DIM = 8192  # a whole row per tile: at 8 warps a row, 32 values per thread
-# Launch settings: each kernel's warps per 1024 columns (:func:`row_tiles`' ``warp_scale``), and the warps per SM
-# that the persistent (fixed-grid) backward kernels are launched with. From the H200 sweep
-# ``python benchmarks/attnres.py mix --sweep`` (benchmarks/RESULTS.md, "Attention residuals: launch settings").
+# Launch settings: each kernel's warps per 1024 columns (its warp scale in :func:`row_tiles`; a power of two), and
+# the warps per SM that the persistent (fixed-grid) backward kernels are launched with. From the H200 sweep
+# ``python benchmarks/attnres.py mix --sweep`` (benchmarks/RESULTS.md, "Attention residuals: depth-mix kernel").
 TILES = {"mix_fwd": 1, "mix_bwd": 2, "inter_fwd": 1, "inter_bwd_logits": 1, "inter_bwd_sources": 2, "merge_fwd": 2,
          "merge_bwd": 2, "grid_warps_per_sm": 32}
 
@@ -119,8 +119,10 @@ def row_tiles(D: int, kernel: str) -> tuple[int, int, int]:
     row's reductions stay inside its warp (shuffles; no shared memory, no barrier) and many small programs keep
     many loads in flight; scale k gives k times the warps and the rows (at most 8 warps). On the H200 at
     D = 1024, one-warp rows ran the phase-1 forward 1.6x faster than session 6's 4-warp tiles of 2 rows."""
+    scale = TILES[kernel]
+    assert scale > 0 and scale & (scale - 1) == 0, f"TILES[{kernel!r}] = {scale}: warp scales are powers of two"
     BD = triton.next_power_of_2(D)
-    warps = min(8, max(1, BD // 1024) * TILES[kernel])  # 16 warps of 128+ registers would spill
+    warps = min(8, max(1, BD // 1024) * scale)  # 16 warps of 128+ registers would spill
     return max(1, 1024 * warps // BD), BD, warps
 
 

@@ -73,6 +73,20 @@ def test_bf16_inputs(seed):
     assert rel_rms(o, o_ref) < 0.005 and rel_rms(s, s_ref) < 0.005
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_leaves_the_torch_path_in_float32(seed, dtype):
+    """Under autocast the chunked PyTorch form still computes in float32 (fp16 matrix products overflowed on the
+    rebased exponentials at the gate's bound): the same values and gradients as without autocast, all finite."""
+    xs = [x.detach().float().requires_grad_() for x in make_inputs(2, 70, 2, 16, 8, g_fill=-5.0)]
+    results = []
+    for on in (False, True):
+        with torch.autocast("cpu", dtype=dtype, enabled=on):
+            o, s = kda(*xs[:5], initial_state=xs[5], output_final_state=True, backend="torch")
+        results.append((o, s, *torch.autograd.grad(o.sum() + s.sum(), xs)))
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
 def test_varlen_equals_separate_sequences(seed):
     lens = [5, 40, 1, 33]
     xs = make_inputs(1, sum(lens), 2, 16, 8)

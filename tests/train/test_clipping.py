@@ -11,40 +11,70 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from k3lit.model import ModelConfig
 from k3lit.train import optim
 from k3lit.train.module import K3LitModule
 
-CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=32,
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16, mlp_hidden=32,
                   n_experts=0, attnres_block_size=2)
 
 
-class GradNormAfterStep(Callback):
-    """Records the total gradient norm each optimizer step used (a step post-hook: clipped, not yet zeroed)."""
+class GradsAfterStep(Callback):
+    """Records the gradients' total norm and largest magnitude at each optimizer step (a step post-hook: after
+    clipping, before the next zeroing) and whether the optimizer is fused."""
 
     def __init__(self) -> None:
         self.norms: list[float] = []
+        self.maxima: list[float] = []
         self.fused: bool | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         opt = trainer.optimizers[0]
         self.fused = bool(opt.defaults.get("fused"))
-        opt.register_step_post_hook(lambda o, args, kwargs: self.norms.append(float(torch.linalg.vector_norm(
-            torch.stack([p.grad.norm() for g in o.param_groups for p in g["params"] if p.grad is not None])))))
+        opt.register_step_post_hook(self.record)
+
+    def record(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([x.norm() for x in grads]))))
+        self.maxima.append(max(float(x.abs().max()) for x in grads))
+
+
+def fit(tmp_path, clip: float | None, algorithm: str | None = None, **trainer_kw) -> GradsAfterStep:
+    probe = GradsAfterStep()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, gradient_clip_val=clip,
+                        gradient_clip_algorithm=algorithm, default_root_dir=tmp_path, callbacks=[probe],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        logger=False, **trainer_kw)
+    data = torch.randint(0, CFG.vocab_size, (8, 17))
+    trainer.fit(K3LitModule(CFG), torch.utils.data.DataLoader(data, batch_size=4))
+    assert len(probe.norms) == 2
+    return probe
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Let OptimConfig.build pick the fused AdamW for CPU parameters, as it does for CUDA ones."""
+    monkeypatch.setattr(optim, "_fused_supported", lambda params: True)
 
 
 @pytest.mark.parametrize("algorithm,clip", [("norm", 1e-3), ("value", 1e-5)])
-def test_bf16_mixed_clips_with_the_fused_adamw(tmp_path, monkeypatch, seed, algorithm, clip):
-    monkeypatch.setattr(optim, "_fused_supported", lambda params: True)
-    probe = GradNormAfterStep()
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=2, gradient_clip_val=clip,
-                        gradient_clip_algorithm=algorithm, default_root_dir=tmp_path, callbacks=[probe],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        logger=False)
-    data = torch.randint(0, CFG.vocab_size, (8, 17))
-    trainer.fit(K3LitModule(CFG), torch.utils.data.DataLoader(data, batch_size=4))
-    assert probe.fused and len(probe.norms) == 2
-    n_grads = sum(p.numel() for p in trainer.lightning_module.parameters())
-    bound = clip * (1 + 1e-3) if algorithm == "norm" else clip * n_grads**0.5
-    assert all(0 < n <= bound for n in probe.norms)
+def test_bf16_mixed_clips_with_the_fused_adamw(tmp_path, fused_on_cpu, seed, algorithm, clip):
+    probe = fit(tmp_path, clip, algorithm, precision="bf16-mixed")
+    assert probe.fused
+    if algorithm == "norm":
+        assert all(0 < n <= clip * (1 + 1e-3) for n in probe.norms)
+    else:
+        assert all(0 < m <= clip for m in probe.maxima)
+
+
+@pytest.mark.parametrize("clip", [1e-3, None])
+def test_fp16_scaler_unscales_before_clipping(tmp_path, fused_on_cpu, seed, clip):
+    """With a gradient scaler, Lightning unscales and then clips, which needs an AdamW that is not fused; without
+    clipping the fused AdamW takes the scaler itself."""
+    scaler = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
+    probe = fit(tmp_path, clip, plugins=[scaler])
+    assert probe.fused == (clip is None)
+    if clip is not None:
+        assert all(0 < n <= clip * (1 + 1e-3) for n in probe.norms)

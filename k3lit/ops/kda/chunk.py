@@ -84,9 +84,14 @@ def kda_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward; autograd supplies the backward. Shapes as :func:`k3lit.ops.kda`.
 
-    Computes in float64 for float64 inputs and in float32 otherwise; o is returned in v's dtype and
-    the final state in the compute dtype.
+    Computes in float64 for float64 inputs and in float32 otherwise, autocast off (under fp16 autocast the
+    rebased exponentials, up to e^88, overflowed the matrix products); o is returned in v's dtype and the final
+    state in the compute dtype.
     """
+    kind = q.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        with torch.autocast(kind, enabled=False):
+            return kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     if cu_seqlens is not None:
         (q, k, v, g, beta), lens = _pack_varlen((q, k, v, g, beta), cu_seqlens)
         o, state = kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, None, chunk_size)
