@@ -102,7 +102,20 @@ def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
 
     for key, value in dict(intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
         monkeypatch.setitem(chunk.TUNING, key, value)
+    blocks = []
+    for name in ("_intra_fwd", "_wy_fwd"):  # record each launch's block sizes, then launch it
+        kernel = getattr(chunk, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kw):
+                    blocks.append((name, kw["BK"], kw.get("BV"), kw["num_warps"]))
+                    return kernel[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(chunk, name, Spy())
     assert_errors(run_both(make_inputs(1, 70, 2, 80, 72)), TOL_F32)
+    assert set(blocks) == {("_intra_fwd", 32, None, 4), ("_wy_fwd", 32, 32, 2)}
 
 
 @pytest.mark.parametrize("fused", [False, True])

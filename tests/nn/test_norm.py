@@ -34,3 +34,17 @@ def test_low_precision_input_with_float32_weight(seed, dtype):
     w64 = norm.weight.detach().double().requires_grad_()
     (F.rms_norm(x.double(), (64,), w64, 1e-6) * dy.double()).sum().backward()
     assert norm.weight.grad.dtype == torch.float32 and rel_rms(norm.weight.grad, w64.grad) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+def test_gpu_autocast_keeps_the_input_dtype(seed):
+    """Under CUDA autocast (which upcasts ``rms_norm`` to float32 on some torch versions) the norm of a bf16 input
+    is the fused bf16 kernel's: bf16 out, equal to ``F.rms_norm`` with autocast off and the weight in bf16."""
+    norm = RMSNorm(1024, eps=1e-6).cuda()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(8, 1024, device="cuda").bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, F.rms_norm(x, (1024,), norm.weight.bfloat16(), 1e-6))

@@ -33,6 +33,19 @@ def test_no_sources_raise():
         attn_res_mix([], torch.zeros(4))
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_inter_block_out_dtype(seed, backend):
+    """``out_dtype`` sets the mixes' dtype on the PyTorch path too (values as float32 mixes rounded once); a
+    non-floating dtype is refused whichever path would run."""
+    blocks, queries = [torch.randn(2, 5, 16) for _ in range(3)], torch.randn(2, 16)
+    mixes, lse = attn_res_inter_block(blocks, queries, backend=backend)
+    low, lse_low = attn_res_inter_block(blocks, queries, backend=backend, out_dtype=torch.bfloat16)
+    assert all(m.dtype == torch.bfloat16 and torch.equal(m, f.bfloat16()) for m, f in zip(low, mixes))
+    assert torch.equal(lse, lse_low)
+    with pytest.raises(ValueError, match="out_dtype must be a floating-point dtype"):
+        attn_res_inter_block(blocks, queries, backend=backend, out_dtype=torch.int32)
+
+
 def test_mix_bf16_matches_float64(seed):
     sources = [torch.randn(2, 5, 64, dtype=torch.float64) * (i + 1) for i in range(5)]
     w = torch.randn(64, dtype=torch.float64)
