@@ -5,6 +5,7 @@
     python benchmarks/attnres.py speed --size 300m           # H200: ~300M-parameter hybrid at T = 4096, bf16
     # validation loss at a fixed token budget on the tiny recipe: plain, block S=2, S=4, full, two seeds each
     python benchmarks/attnres.py quality
+    python benchmarks/attnres.py quality --precision bf16-mixed   # the same under CPU bf16 autocast
     # the depth mix alone: fused Triton kernels vs the PyTorch form, N = 2, 6, 11 sources at B 2 x T 4096 x D 1024
     python benchmarks/attnres.py mix                         # H200 (add --sweep to time each launch setting)
     TRITON_INTERPRET=1 python benchmarks/attnres.py mix --dim 96 --seq 8 --sources 2 3   # CPU smoke run
@@ -148,13 +149,14 @@ def speed_table(rows: list[dict], size: str, compile_: bool, batch: int | None) 
     return "\n".join(lines)
 
 
-def run_quality(steps: int, seeds: list[int]) -> str:
-    """Validation loss of the tiny recipe (smaller, for CPU) at a fixed token budget per residual rule."""
+def run_quality(steps: int, seeds: list[int], precision: str = "32-true") -> str:
+    """Validation loss of the tiny recipe (smaller, for CPU) at a fixed token budget per residual rule, trained at
+    Lightning ``precision``."""
     variants = [("plain", 4), ("block_attnres", 2), ("block_attnres", 4), ("full_attnres", 1)]
     common = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=2", "--data.seq_len=128",
               "--data.batch_size=16", f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}",
               "--trainer.limit_val_batches=40", "--trainer.max_time=null", "--trainer.enable_progress_bar=false",
-              "--trainer.enable_model_summary=false"]
+              "--trainer.enable_model_summary=false", f"--trainer.precision={precision}"]
     results: dict[tuple[str, int], list[float]] = {}
     for seed in seeds:
         for residual, block in variants:
@@ -169,7 +171,8 @@ def run_quality(steps: int, seeds: list[int]) -> str:
             print(residual, block, seed, val[-1], flush=True)
     tokens = steps * 16 * 128
     lines = [f"{environment()}; tiny recipe at dim 128, 4 layers (8 sublayers), T 128, {steps} steps "
-             f"({tokens / 1e6:.2f}M tokens), seeds {seeds}; validation loss (nats/token) on 40 held-out batches",
+             f"({tokens / 1e6:.2f}M tokens), precision {precision}, seeds {seeds}; validation loss (nats/token) "
+             "on 40 held-out batches",
              "", "| residual | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
              "|---|" + "---|" * (len(seeds) + 1)]
     for (residual, block), losses in results.items():
@@ -345,6 +348,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024, help="mix: model width D")
     parser.add_argument("--sources", type=int, nargs="+", default=[2, 6, 11], help="mix: source counts N")
     parser.add_argument("--sweep", action="store_true", help="mix: also time each launch setting")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="quality: Lightning precision of the training runs")
     args = parser.parse_args()
     if args.mode == "speed":  # the run's rows replace its whole section: list every row the section should keep
         rows = run_speed(args.size, args.repeats, args.residuals, args.policies, args.compile, args.batch)
@@ -362,7 +367,9 @@ def main() -> None:
             gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
             write_section(f"Attention residuals: depth-mix kernel ({gpu})", table)
     else:
-        write_section("Attention residuals: quality (CPU)", run_quality(args.steps, args.seeds))
+        where = "CPU" + (f", {args.precision}" if args.precision != "32-true" else "")
+        title = f"Attention residuals: quality ({where})"
+        write_section(title, run_quality(args.steps, args.seeds, args.precision))
 
 
 if __name__ == "__main__":
