@@ -15,10 +15,13 @@ all under ``trainer.default_root_dir``; the resolved config is saved beside them
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
@@ -39,6 +42,24 @@ from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
 
 
+class K3ArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser with a short error: one usage line instead of the full usage (about 90 lines of
+    options, printed before the error), and for an unknown option the closest known ones."""
+
+    def print_usage(self, file: Any = None) -> None:
+        print(f"usage: {self.prog} [options]", file=file or sys.stderr)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if "unrecognized arguments" in message:
+            parser = getattr(ex, "subcommand_parser", None) or self
+            known = list(parser._option_string_actions)
+            for flag in re.findall(r"--[\w.-]+", message):
+                close = difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
+                if close:
+                    message += f"\n  {flag}: did you mean {' or '.join(close)}?"
+        super().error(message, ex)
+
+
 class K3CLI(LightningCLI):
     """LightningCLI whose ``model`` group is the :class:`ModelConfig` dataclass itself (``--model.dim``), with
     ``optim`` beside it; the LightningModule is built from both after the data module fixes the vocabulary."""
@@ -49,6 +70,7 @@ class K3CLI(LightningCLI):
             K3DataModule,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
+            parser_class=K3ArgumentParser,
             args=args,
             run=run,
         )

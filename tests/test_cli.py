@@ -169,6 +169,17 @@ def test_bad_input_gives_clear_error(tmp_path, cache, override, message, capsys,
     assert message in capsys.readouterr().err
 
 
+def test_mistyped_option_gets_a_short_error_with_suggestions(tmp_path, cache, capsys, monkeypatch):
+    """No 90-line usage before the error: one usage line, the error, and the closest known options."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    with pytest.raises(SystemExit) as e:
+        main(fit_args(tmp_path, cache, 2, "--model.dimm=8", "--trainer.max_stpes=3"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) < 10
+    assert "--model.dimm: did you mean --model.dim" in err
+    assert "--trainer.max_stpes: did you mean --trainer.max_steps" in err
+
+
 def test_empty_corpus_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).parents[1])
     (tmp_path / "empty").mkdir()
