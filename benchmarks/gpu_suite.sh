@@ -9,7 +9,9 @@
 #
 # Sections written: "KDA kernels", "KDA with fused gate and q/k L2 norm", "Attention residuals × checkpointing
 # (<GPU>, 300m, batch 8)", "Attention residuals: depth-mix kernel (<GPU>)"; the throughput JSON goes to
-# $LOGS/throughput_small.json (write its section with `python benchmarks/throughput.py --from_json ...`). Six compile workers: twelve ran a 140 GB H200 out of memory.
+# $LOGS/throughput_small.json (write its section with `python benchmarks/throughput.py --from_json ...`), the KDA
+# launch-setting sweep to $LOGS/kda_sweep.json (with the 32-wide forward blocks not yet timed on a GPU). Six compile
+# workers: twelve ran a 140 GB H200 out of memory.
 set -u
 cd "$(git rev-parse --show-toplevel)"
 LOGS=${LOGS:-/tmp/k3lit-gpu}
@@ -19,12 +21,14 @@ t0=$(date +%s)
 stamp() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
 
 for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker "$i/6" > "$LOGS/worker$i.log" 2>&1 & done
-timeout 300 python -m pytest -q -m gpu tests/kernels tests/test_model.py -p no:cacheprovider > "$LOGS/pytest.log" 2>&1
+timeout 300 python -m pytest -q -m gpu tests/kernels tests/test_model.py tests/nn -p no:cacheprovider > "$LOGS/pytest.log" 2>&1
 stamp "GPU tests: $(tail -1 "$LOGS/pytest.log")"
 wait
 stamp "fla compile workers"
 timeout 420 python benchmarks/kda.py > "$LOGS/kda.log" 2>&1; stamp "kda.py (rc $?)"
 timeout 120 python benchmarks/kda.py --fused-inputs --no-fla > "$LOGS/fused.log" 2>&1; stamp "kda.py --fused-inputs (rc $?)"
+timeout 240 python benchmarks/kda_breakdown.py --shapes 8x2048x16x128 1x65536x16x128 --sweep --no-breakdown \
+  --json "$LOGS/kda_sweep.json" > "$LOGS/kda_sweep.log" 2>&1; stamp "kda_breakdown.py --sweep (rc $?)"
 timeout 150 python benchmarks/attnres.py speed --size 300m --batch 8 --repeats 3 --residuals plain block_attnres \
   --policies none block block:7 > "$LOGS/attnres.log" 2>&1; stamp "attnres.py (rc $?)"
 timeout 150 python benchmarks/attnres.py mix --batch 8 --sources 6 11 --sweep > "$LOGS/mix.log" 2>&1; stamp "attnres.py mix (rc $?)"

@@ -44,6 +44,7 @@ SWEEP = {
     "scan 4 warps": dict(scan_warps=4),
     "scan 8 warps": dict(scan_warps=8),
     "fwd transposed bv32": dict(fwd_scan="transposed", fwd_bv=32),
+    "fwd transposed bv16": dict(fwd_scan="transposed", fwd_bv=16),
     "intra bk32 1 warp": dict(intra_bk=32, intra_warps=1),
     "intra bk32 4 warps": dict(intra_bk=32, intra_warps=4),
     "wy bk32 bv32": dict(wy_bk=32, wy_bv=32),
