@@ -100,6 +100,13 @@ def online_mix(
 
 
 @triton.jit
+def softmax_weight(su, r, m, inv_z):
+    """``a_i = exp(su_i r_i - m) / z`` rebuilt from what :func:`online_mix` stored, as ``exp(·) * (1 / z)``: every
+    backward kernel forms the weights with this one expression, so they agree bit for bit."""
+    return tl.exp(su * r - m) * inv_z
+
+
+@triton.jit
 def softmax_dot(table, N, g, su_ptr, r_ptr, m, inv_z, base, offs, mask, rows, m_row, M, ALIGNED: tl.constexpr):
     """``Σ_i a_i g·s_i`` (``[BT]``) for one query over the N sources of ``table``, one row tile: the weights
     ``a_i = exp(su_i r_i - m) / z`` rebuilt from what :func:`online_mix` stored (``su_ptr``, ``r_ptr``) and its
@@ -109,7 +116,7 @@ def softmax_dot(table, N, g, su_ptr, r_ptr, m, inv_z, base, offs, mask, rows, m_
         s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
         su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
         r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-        total += tl.exp(su * r - m) * inv_z * tl.sum(g * s, axis=1)
+        total += softmax_weight(su, r, m, inv_z) * tl.sum(g * s, axis=1)
     return total
 
 

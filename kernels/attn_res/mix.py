@@ -38,6 +38,7 @@ from k3lit.kernels.attn_res.common import (
     row_tile,
     row_tiles,
     softmax_dot,
+    softmax_weight,
     store_as,
 )
 
@@ -77,7 +78,7 @@ def _mix_bwd(
             s = load_f32(tl.load(table + i), code, base, offs, mask, ALIGNED)
             su = tl.load(su_ptr + i * M + rows, mask=m_row, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-            a = tl.exp(su * r - m) * inv_z
+            a = softmax_weight(su, r, m, inv_z)
             dl = a * (tl.sum(g * s, axis=1) - g_out)
             c_u = dl * r
             c_s = dl * su * r * r * r / D

@@ -56,6 +56,7 @@ from k3lit.kernels.attn_res.common import (
     row_tile,
     row_tiles,
     softmax_dot,
+    softmax_weight,
     store_as,
 )
 
@@ -106,7 +107,7 @@ def _inter_bwd_logits(
             s = load_f32(tl.load(table + i), tl.load(table + N + i), base, offs, mask, ALIGNED)
             su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
             r = tl.load(r_ptr + i * M + rows, mask=m_row, other=0.0)
-            dl = tl.exp(su * r - m) * inv_z * (tl.sum(g * s, axis=1) - g_out)
+            dl = softmax_weight(su, r, m, inv_z) * (tl.sum(g * s, axis=1) - g_out)
             tl.store(dl_ptr + (j * N + i) * M + rows, dl, mask=m_row)
             du += tl.sum((dl * r)[:, None] * s, axis=0)
     tl.store(du_part + (pid * tl.num_programs(0) + j) * D + cols, du, mask=cols < D)
@@ -134,9 +135,9 @@ def _inter_bwd_sources(
             u = tl.load(u_ptr + j * D + cols, mask=m_col, other=0.0).to(tl.float32)
             su = tl.load(su_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
             m = tl.load(m_ptr + j * M + rows, mask=m_row, other=0.0)
-            z = tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
+            inv_z = 1.0 / tl.load(z_ptr + j * M + rows, mask=m_row, other=1.0)
             dl = tl.load(dl_ptr + (j * N + i) * M + rows, mask=m_row, other=0.0)
-            ds += (tl.exp(su * r - m) / z)[:, None] * g + (dl * r)[:, None] * u[None, :]
+            ds += softmax_weight(su, r, m, inv_z)[:, None] * g + (dl * r)[:, None] * u[None, :]
             c_s += dl * su
         ds -= (c_s * r * r * r / D)[:, None] * s
         store_as(tl.load(table + 2 * N + i), code, base, offs, mask, ds, ALIGNED)
