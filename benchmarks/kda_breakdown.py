@@ -49,6 +49,12 @@ SWEEP = {
     "intra bk32 4 warps": dict(intra_bk=32, intra_warps=4),
     "wy bk32 bv32": dict(wy_bk=32, wy_bv=32),
     "wy bk32 bv32 2 warps": dict(wy_bk=32, wy_bv=32, wy_warps=2),
+    "fwd plain fused out": dict(fwd_scan="plain", fwd_plain_out="fused"),
+    "segments 1": dict(fwd_segments=1),
+    "segments 2": dict(fwd_segments=2),
+    "segments 4": dict(fwd_segments=4),
+    "segments 8": dict(fwd_segments=8),
+    "segments 16": dict(fwd_segments=16),
 }
 
 
@@ -98,13 +104,18 @@ def breakdown(name: str, fn, shp, report: dict) -> None:
               + ", ".join(f"{k} {v:.3f}" for k, v in list(ks.items())[:8]), flush=True)
 
 
-def sweep(shapes, report: dict) -> None:
+def sweep(shapes, report: dict, variants: list[str] | None = None) -> None:
     defaults = dict(chunk.TUNING)
+    unknown = set(variants or ()) - set(SWEEP)
+    if unknown:
+        sys.exit(f"unknown --variants {sorted(unknown)}; known: {list(SWEEP)}")
     for B, T, H, D in shapes:
         xs = inputs(B, T, H, D, D, requires_grad=True)
         do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
         ref = None
         for label, upd in SWEEP.items():
+            if variants and label not in variants and label != "default":
+                continue
             chunk.TUNING.clear()
             chunk.TUNING.update(defaults, **upd)
             try:
@@ -138,6 +149,7 @@ def main() -> None:
                     metavar="BxTxHxD", help="shapes, K = V = D (default: 1x65536x16x128 8x2048x16x128)")
     ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
     ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
+    ap.add_argument("--variants", nargs="+", metavar="NAME", help="sweep only these SWEEP entries (and the default)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown (with --sweep)")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
@@ -160,7 +172,7 @@ def main() -> None:
             if fla is not None:
                 breakdown("fla", fla, shp, report)
     if a.sweep:
-        sweep(a.shapes, report)
+        sweep(a.shapes, report, a.variants)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

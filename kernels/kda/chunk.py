@@ -30,6 +30,7 @@ depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -302,23 +303,35 @@ def _cc_offsets(tok, i_h, rows, H: tl.constexpr, C: tl.constexpr):
     return tok[:, None] * (H * C) + i_h * C + rows[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["it_lo", "it_hi"])  # one compile for every segment
 def _scan_fwd(
-    Kd, Gc, W, U, D, h, h0, ht, cu, coff,
+    Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, OUT: tl.constexpr, SAVE: tl.constexpr,
 ):
-    """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n)."""
+    """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n), over the chunks
+    ``it_lo <= it < it_hi`` of each sequence (a segment of :func:`chunk_fwd`'s pipeline: the state enters from
+    ``h0`` and leaves to ``ht`` in float32, so segments chain without rounding). Stores every chunk's entering
+    state and Delta for :func:`_out_fwd`; or, with ``OUT``, writes O = Qg S + Aq Delta itself (from the same
+    bf16-rounded S and Delta) and stores the states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_s, m_kv, base, S = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, False)
-    for it in range(0, n_chunks):
+    for it in range(it_lo, tl.minimum(n_chunks, it_hi)):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
+        if SAVE or not OUT:
+            tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_u = tl.load(U + offv, mask=mv, other=0.0).to(tl.float32)
         b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
-        tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
+        if SAVE or not OUT:
+            tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
+        if OUT:
+            b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
+            b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
+            b_o = _dot(_op(b_qg, F32), _op(S.to(h.dtype.element_ty), F32), F32)
+            b_o += _dot_aq(b_a, b_d.to(D.dtype.element_ty), F32)
+            tl.store(o + offv, b_o.to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
         g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
@@ -326,9 +339,9 @@ def _scan_fwd(
         tl.store(ht + base + off_s, S, mask=m_kv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["it_lo", "it_hi"])  # one compile for every segment
 def _scan_fwd_t(
-    Kd, Gc, W, U, D, h, h0, ht, cu, coff, Qg, Aq, o,
+    Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, SAVE: tl.constexpr,
 ):
@@ -339,7 +352,7 @@ def _scan_fwd_t(
     :func:`_out_fwd`, so it stores the entering states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_st, m_vk, base, St = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, True)
-    for it in range(0, n_chunks):
+    for it in range(it_lo, tl.minimum(n_chunks, it_hi)):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
         if SAVE:
@@ -362,13 +375,15 @@ def _scan_fwd_t(
 
 @triton.jit
 def _out_fwd(
-    Qg, Aq, D, h, o, cu, cidx,
+    Qg, Aq, D, h, o, cu, cidx, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr,
 ):
-    """Per (value block, chunk, head): O = scale (Q⊙exp(G)) S + Aq Delta."""
+    """Per (value block, chunk, head): O = scale (Q⊙exp(G)) S + Aq Delta. The chunk table ``cidx`` may be a
+    pipeline segment's (rows in any order): the chunk's state is found by its sequence and position."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    i_n, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    i_g = tl.load(coff + i_n).to(tl.int64) + tl.load(cidx + 2 * i_c + 1).to(tl.int64)  # global chunk index
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
@@ -381,7 +396,7 @@ def _out_fwd(
         offk = tok[:, None] * (H * K) + i_h * K + rk[None, :]
         mk = m_t[:, None] & m_k[None, :]
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-        b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
+        b_h = tl.load(h + (i_g * H + i_h) * K * V + rk[:, None] * V + cv[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc += _dot(_op(b_qg, F32), _op(b_h, F32), F32)
     offc = _cc_offsets(tok, i_h, rows, H, C)
@@ -719,10 +734,72 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: machinery) put 32-wide blocks at 162 registers for ``_intra_fwd`` on 4 warps (3 blocks per SM, against 4 blocks of
 #: 2 warps today) and at 80 for ``_wy_fwd`` on 2 warps (12 blocks per SM, against 8 of 1 warp); Nsight Compute found
 #: every forward kernel at 12.5% occupancy and ~46% of DRAM peak (benchmarks/RESULTS.md). Not yet timed.
+#: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored
+#: states, ``"fused"`` in the scan itself (the per-chunk states and Delta are then stored only for the backward).
+#: ``fwd_segments``: pipeline segments of the forward over a dense batch (None: by :func:`_fwd_segments`). Segment s
+#: covers the same range of chunks of every sequence; its state scan (and output kernel) runs on side streams as
+#: soon as its per-chunk kernels are done, concurrently with the next segment's, so the latency-bound scan no longer
+#: waits for the whole sequence's ``_intra_fwd`` and ``_wy_fwd``. The outputs are bit-identical for any count.
 #: ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
-                    wy_bv=None)
+                    wy_bv=None, fwd_segments=None, fwd_plain_out="separate")
+
+
+def _fwd_segments(n_per: int, device: torch.device) -> int:
+    """Pipeline segments of the forward over a dense batch of ``n_per`` chunks per sequence: ``TUNING
+    ["fwd_segments"]``, else (None) up to 8 on CUDA, each of at least 16 chunks per sequence, and 1 elsewhere
+    (where nothing runs concurrently)."""
+    P = TUNING["fwd_segments"]
+    if P is None:
+        P = min(8, n_per // 16) if device.type == "cuda" else 1
+    return max(1, min(P, n_per))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stream: int
+                          ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+    """The chunk table of a dense batch of B sequences with ``n_per`` chunks each, ordered by pipeline segment:
+    segment s covers chunks ``[lo, hi)`` of every sequence, ``lo = s * ceil(n_per / P)``. Returns ``(table
+    [NC, 2] int32, [(row_lo, row_hi, lo, hi), ...])``: the segment's rows of the table and its chunk range.
+    Cached like :func:`_dense_meta`."""
+    S = triton.cdiv(n_per, P)
+    parts, segs = [], []
+    for lo in range(0, n_per, S):
+        n = min(S, n_per - lo)
+        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n)
+        pos = torch.arange(lo, lo + n, device=device, dtype=torch.int32).repeat(B)
+        parts.append(torch.stack([seq, pos], 1))
+        row = segs[-1][1] if segs else 0
+        segs.append((row, row + B * n, lo, lo + n))
+    return torch.cat(parts).contiguous(), segs
+
+
+def _segment_table(B: int, n_per: int, P: int, device: torch.device
+                   ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+    """:func:`_segment_table_cached` for the current stream (built afresh during CUDA graph capture)."""
+    if device.type != "cuda":
+        return _segment_table_cached(B, n_per, P, device, 0)
+    if torch.cuda.is_current_stream_capturing():
+        return _segment_table_cached.__wrapped__(B, n_per, P, device, 0)
+    return _segment_table_cached(B, n_per, P, device, torch.cuda.current_stream(device).cuda_stream)
+
+
+@functools.cache
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The forward pipeline's two side streams on a CUDA ``device``: the state scan's and the output kernel's."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None):
+    """Launch on ``stream`` once the work queued so far on ``after`` is done; with no stream, where we are."""
+    if stream is None:
+        yield
+        return
+    stream.wait_event(after.record_event())
+    with torch.cuda.stream(stream):
+        yield
 
 
 @functools.cache
@@ -793,23 +870,44 @@ def chunk_fwd(
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
-    _intra_fwd[(NC, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min if gate else 0.0, rnq, rnk,
-                        H=H, K=K, C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate, L2=qk_l2norm,
-                        num_warps=TUNING["intra_warps"])
-    _wy_fwd[(NC, H)](k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, H=H, K=K, V=V, C=C,
-                     BK=min(TUNING["wy_bk"] or 64, _pow2(K)), BV=min(TUNING["wy_bv"] or 64, _pow2(V)), F32=F32,
-                     L2=qk_l2norm, SAVE=save, num_warps=TUNING["wy_warps"])
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
-    scan_args = (Kd, Gc, W, U, D, h, initial_state, ht, cu, coff)
-    meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-                F32=F32, num_warps=nw)
-    if transposed:
-        _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **meta)
-    else:
-        _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, **meta)
-        BVo = min(64, _pow2(V))
-        _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, H=H, K=K, V=V, C=C, BK=BKi, BV=BVo, F32=F32,
-                                              num_warps=TUNING["out_warps"])
+    meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw)
+    fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
+    table, segs = cidx, [(0, NC, 0, 2**31 - 1)]
+    if cu_seqlens is None:
+        P = _fwd_segments(triton.cdiv(T, C), q.device)
+        if P > 1:
+            table, segs = _segment_table(B, triton.cdiv(T, C), P, q.device)
+    side = _side_streams(q.device) if q.device.type == "cuda" and len(segs) > 1 else None
+    main = torch.cuda.current_stream(q.device) if side else None
+    if side:
+        for s in side:
+            s.wait_stream(main)
+    for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
+        rows = table[r0:r1]
+        _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, rows, scale, bias, g_min if gate else 0.0, rnq,
+                                 rnk, H=H, K=K, C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate,
+                                 L2=qk_l2norm, num_warps=TUNING["intra_warps"])
+        _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, H=H, K=K, V=V, C=C,
+                              BK=min(TUNING["wy_bk"] or 64, _pow2(K)), BV=min(TUNING["wy_bv"] or 64, _pow2(V)),
+                              F32=F32, L2=qk_l2norm, SAVE=save, num_warps=TUNING["wy_warps"])
+        # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
+        h0 = initial_state if i == 0 else ht
+        scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)
+        seg_meta = dict(meta, HAS_H0=h0 is not None, STORE_HT=output_final_state or i < len(segs) - 1)
+        with _on(side and side[0], main):
+            if transposed:
+                _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **seg_meta)
+            else:
+                _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fused_out, SAVE=save, **seg_meta)
+        if not (transposed or fused_out):
+            BVo = min(64, _pow2(V))
+            with _on(side and side[1], side and side[0]):
+                _out_fwd[(triton.cdiv(V, BVo), r1 - r0, H)](Qg, Aq, D, h, o, cu, rows, coff, H=H, K=K, V=V, C=C,
+                                                            BK=BKi, BV=BVo, F32=F32, num_warps=TUNING["out_warps"])
+    if side:
+        for s in side:
+            main.wait_stream(s)
     return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
 
 

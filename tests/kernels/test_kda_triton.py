@@ -136,6 +136,61 @@ def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
     assert torch.equal(o_inf, o.detach()) and torch.equal(ht_inf, ht.detach())
 
 
+@pytest.mark.parametrize("segments,expect", [(2, [(0, 6, 0, 3), (6, 10, 3, 5)]),
+                                             (4, [(0, 4, 0, 2), (4, 8, 2, 4), (8, 10, 4, 5)])])
+def test_pipelined_forward_equals_one_pass(seed, scan_layout, monkeypatch, segments, expect):
+    """The forward in pipeline segments (``chunk.TUNING["fwd_segments"]``; on the GPU each segment's scan runs on a
+    side stream beside the next segment's per-chunk kernels) gives bit-identical outputs, final state and
+    gradients: the state crosses each segment boundary in float32. B = 2 sequences of 5 chunks (T = 150)."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    table, segs = chunk._segment_table(2, 5, segments, torch.device(DEV))
+    assert segs == expect  # (table rows, chunk range): 4 segments asked, 3 of 2 chunks formed
+    assert table.tolist() == [[n, c] for lo, hi in [(s[2], s[3]) for s in expect] for n in (0, 1)
+                              for c in range(lo, hi)]
+    inputs = make_inputs(2, 150, 2, 16, 24)
+    do = torch.randn(2, 150, 2, 24, device=DEV)
+    results = []
+    for P in (1, segments):
+        monkeypatch.setitem(chunk.TUNING, "fwd_segments", P)
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        scans = []
+        launch = chunk._scan_fwd_t if scan_layout == "transposed" else chunk._scan_fwd
+
+        class Spy:
+            def __getitem__(self, grid):
+                def run(*args, **kw):
+                    scans.append(args[10:12])  # it_lo, it_hi
+                    return launch[grid](*args, **kw)
+                return run
+
+        monkeypatch.setattr(chunk, launch.__name__, Spy())
+        o, ht = kda_triton(*xs[:5], None, xs[5], True)
+        monkeypatch.setattr(chunk, launch.__name__, launch)
+        assert [s[0] for s in scans] == ([0] if P == 1 else [s[2] for s in expect])
+        (o * do).sum().add(ht.sum()).backward()
+        results.append([o, ht, *(x.grad for x in xs)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
+    """The plain forward scan writing the output itself (``TUNING["fwd_plain_out"] = "fused"``), with a backward
+    to follow (it then also stores the states and Delta) and without, at K and V above one 64-wide block."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    for key, value in dict(fwd_scan="plain", fwd_plain_out="fused", fwd_segments=segments).items():
+        monkeypatch.setitem(chunk.TUNING, key, value)
+    inputs = make_inputs(2, 100, 2, 80, 72)
+    assert_errors(run_both(inputs), TOL_F32)
+    q, k, v, g, beta, h0 = inputs
+    with torch.no_grad():
+        o, ht = kda_triton(q, k, v, g, beta, None, h0, True)
+    o_r, ht_r = kda_reference(*(x.double() for x in inputs[:5]), None, h0.double(), True)
+    assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
+
+
 @pytest.mark.parametrize("save", [True, False])
 def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout, save):
     """``chunk_fwd(save=False)`` leaves M unwritten (Mi keeps L, zero on the diagonal, where M has ones) and, on the
