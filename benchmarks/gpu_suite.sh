@@ -10,7 +10,8 @@
 # Sections written: "KDA kernels", "KDA with fused gate and q/k L2 norm", "Attention residuals × checkpointing
 # (<GPU>, 300m, batch 8)", "Attention residuals: depth-mix kernel (<GPU>)"; the throughput JSON goes to
 # $LOGS/throughput_small.json (write its section with `python benchmarks/throughput.py --from_json ...`), the KDA
-# launch-setting sweep to $LOGS/kda_sweep.json (with the 32-wide forward blocks not yet timed on a GPU). Six compile
+# launch-setting sweep of the forward alternatives not yet timed on a GPU (kda_breakdown.FORWARD_VARIANTS: pipeline
+# segments, fewer bytes, 32-wide forward blocks) to $LOGS/kda_sweep.json. Six compile
 # workers: twelve ran a 140 GB H200 out of memory.
 set -u
 cd "$(git rev-parse --show-toplevel)"
@@ -27,8 +28,9 @@ wait
 stamp "fla compile workers"
 timeout 420 python benchmarks/kda.py > "$LOGS/kda.log" 2>&1; stamp "kda.py (rc $?)"
 timeout 120 python benchmarks/kda.py --fused-inputs --no-fla > "$LOGS/fused.log" 2>&1; stamp "kda.py --fused-inputs (rc $?)"
-timeout 240 python benchmarks/kda_breakdown.py --shapes 8x2048x16x128 1x65536x16x128 --sweep --no-breakdown \
-  --json "$LOGS/kda_sweep.json" > "$LOGS/kda_sweep.log" 2>&1; stamp "kda_breakdown.py --sweep (rc $?)"
+timeout 420 python benchmarks/kda_breakdown.py --shapes 8x2048x16x128 2x8192x16x128 1x65536x16x128 1x8192x96x128 \
+  8x2048x32x256 --sweep --no-breakdown --variants forward --json "$LOGS/kda_sweep.json" > "$LOGS/kda_sweep.log" 2>&1
+stamp "kda_breakdown.py --sweep --variants forward (rc $?)"
 timeout 150 python benchmarks/attnres.py speed --size 300m --batch 8 --repeats 3 --residuals plain block_attnres \
   --policies none block block:7 > "$LOGS/attnres.log" 2>&1; stamp "attnres.py (rc $?)"
 timeout 150 python benchmarks/attnres.py mix --batch 8 --sources 6 11 --sweep > "$LOGS/mix.log" 2>&1; stamp "attnres.py mix (rc $?)"

@@ -7,6 +7,10 @@ forward+backward. ``--sweep`` times the alternatives of ``k3lit.kernels.kda.chun
 block, warps) with ``triton.testing.do_bench``, each checked against the default first.
 
     python benchmarks/kda_breakdown.py --shapes 1x65536x16x128 8x2048x16x128 [--fla] [--sweep] [--json out.json]
+    python benchmarks/kda_breakdown.py --sweep --no-breakdown --variants forward --shapes ...   # FORWARD_VARIANTS
+
+With pipeline segments (``fwd_segments``, ``bwd_segments``) kernels of several streams overlap: their summed
+kernel times then exceed the call's time, which is what ``fwd`` and ``f+b`` report.
 
 ``--fla-compile-worker I/P`` fills ``TRITON_CACHE_DIR`` with fla's compiled candidates for these shapes (see
 benchmarks/kda.py and benchmarks/triton_warm.py); run P of them before the timing process.
@@ -55,7 +59,21 @@ SWEEP = {
     "segments 4": dict(fwd_segments=4),
     "segments 8": dict(fwd_segments=8),
     "segments 16": dict(fwd_segments=16),
+    "bwd segments 4": dict(bwd_segments=4),
+    "bwd segments 8": dict(bwd_segments=8),
+    "u work dtype": dict(u_dtype="work"),
+    "wy recomputes g": dict(wy_g="recomputed"),
+    "fwd bytes cut": dict(u_dtype="work", wy_g="recomputed"),
+    "fwd bytes cut, segments 4": dict(u_dtype="work", wy_g="recomputed", fwd_segments=4),
+    "fwd bytes cut, segments 8": dict(u_dtype="work", wy_g="recomputed", fwd_segments=8),
+    "fwd bytes cut, plain fused out, segments 4": dict(u_dtype="work", wy_g="recomputed", fwd_scan="plain",
+                                                       fwd_plain_out="fused", fwd_segments=4),
 }
+#: The forward alternatives of session 8 (pipeline segments, fewer bytes), not yet timed on a GPU.
+FORWARD_VARIANTS = ["segments 1", "segments 2", "segments 4", "segments 8", "segments 16", "fwd plain fused out",
+                    "u work dtype", "wy recomputes g", "fwd bytes cut", "fwd bytes cut, segments 4",
+                    "fwd bytes cut, segments 8", "fwd bytes cut, plain fused out, segments 4", "bwd segments 4",
+                    "bwd segments 8", "intra bk32 4 warps", "wy bk32 bv32 2 warps"]
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -149,7 +167,8 @@ def main() -> None:
                     metavar="BxTxHxD", help="shapes, K = V = D (default: 1x65536x16x128 8x2048x16x128)")
     ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
     ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
-    ap.add_argument("--variants", nargs="+", metavar="NAME", help="sweep only these SWEEP entries (and the default)")
+    ap.add_argument("--variants", nargs="+", metavar="NAME",
+                    help="sweep only these SWEEP entries (and the default); 'forward': FORWARD_VARIANTS")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown (with --sweep)")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
@@ -172,7 +191,7 @@ def main() -> None:
             if fla is not None:
                 breakdown("fla", fla, shp, report)
     if a.sweep:
-        sweep(a.shapes, report, a.variants)
+        sweep(a.shapes, report, FORWARD_VARIANTS if a.variants == ["forward"] else a.variants)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

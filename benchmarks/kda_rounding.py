@@ -11,14 +11,17 @@ alone. The rounding points, as the kernels have them (C = 32, rebased at row r =
     Mb    M Diag(beta), operand of W and U                         _wy_fwd
     Kg    K⊙exp(G), operand of W                                   _wy_fwd
     W, Kd, Qg, h, D   stored in bf16                               _wy_fwd, _intra_fwd, the scan
+    U     U = M Diag(beta) V stored in bf16: not a rounding of the kernels (they store U in float32); in the
+          table, and in the "every rounding" set only with ``--also U`` (what a bf16 U would cost)
     S     the state as operand of W S                              the scan
     Aq_o  Aq as operand of Aq Delta                                _out_fwd / _scan_fwd_t
 
-``--aq tf32`` rounds the two Aq points to TF32 (10-bit mantissa) instead: this script shows them to be the
-largest terms in bf16. The kernels on main still round them to bf16; branch ``exp/aq-tf32-rna`` has the TF32
-variant (see the KDA notes in benchmarks/RESULTS.md for what the H200 measured of it).
+``--aq tf32`` (the default) rounds the two Aq points to TF32 (10-bit mantissa), as the kernels do; ``--aq bf16``
+rounds them to bf16, as the kernels did before, which this script showed to be the largest terms (see the KDA
+notes in benchmarks/RESULTS.md for what the H200 measured). Each cell gives the error of o and, in brackets, of
+the final state.
 
-    python benchmarks/kda_rounding.py [--T 512] [--K 64] [--seeds 3] [--aq bf16|tf32]
+    python benchmarks/kda_rounding.py [--T 512] [--K 64] [--seeds 3] [--aq tf32|bf16] [--also U]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3lit.ops.kda import kda_reference  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
-POINTS = ("A", "Aq", "Mb", "Kg", "W", "Kd", "Qg", "h", "D", "S", "Aq_o")
+POINTS = ("A", "Aq", "Mb", "Kg", "W", "U", "Kd", "Qg", "h", "D", "S", "Aq_o")
 F64 = torch.float64
 
 
@@ -49,9 +52,10 @@ def rounded(x: torch.Tensor, mode: str | None) -> torch.Tensor:
     return x
 
 
-def chunked_forward(q, k, v, g, beta, modes: dict[str, str | None], C: int = 32) -> torch.Tensor:
-    """Output ``[T, V]`` of one sequence and head by the kernels' chunked algorithm (module docstring), float64
-    except where ``modes`` rounds."""
+def chunked_forward(q, k, v, g, beta, modes: dict[str, str | None], C: int = 32
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output ``[T, V]`` and final state ``[K, V]`` of one sequence and head by the kernels' chunked algorithm
+    (module docstring), float64 except where ``modes`` rounds."""
     T, K = q.shape
     scale = K**-0.5
     S = torch.zeros(K, v.shape[1], dtype=F64)
@@ -67,17 +71,18 @@ def chunked_forward(q, k, v, g, beta, modes: dict[str, str | None], C: int = 32)
         M = torch.linalg.inv(torch.eye(n, dtype=F64) + b[:, None] * A)
         Mb = rounded(M * b[None, :], modes["Mb"])
         W = rounded(Mb @ rounded(Kc * torch.exp(G), modes["Kg"]), modes["W"])
-        U = Mb @ Vc
+        U = rounded(Mb @ Vc, modes["U"])
         Kd = rounded(Kc * torch.exp(G[-1] - G), modes["Kd"])
         Qg = rounded(scale * Q * torch.exp(G), modes["Qg"])
         D = rounded(U - W @ rounded(S, modes["S"]), modes["D"])
         out[t0:t0 + n] = Qg @ rounded(S, modes["h"]) + rounded(Aq, modes["Aq_o"]) @ D
         S = S * torch.exp(G[-1])[:, None] + Kd.T @ D
-    return out
+    return out, S
 
 
-def cases(T: int, K: int, seeds: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """Per seed: bf16-valued inputs ``(q, k, v, g, beta)`` of one sequence and head, and their float64 output."""
+def cases(T: int, K: int, seeds: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]]:
+    """Per seed: bf16-valued inputs ``(q, k, v, g, beta)`` of one sequence and head, and their float64 output and
+    final state."""
     out = []
     for seed in range(seeds):
         gen = torch.Generator().manual_seed(seed)
@@ -87,15 +92,21 @@ def cases(T: int, K: int, seeds: int) -> list[tuple[tuple[torch.Tensor, ...], to
         v = bf(torch.randn(T, K, generator=gen, dtype=F64))
         g = (-5 * torch.sigmoid(2 * torch.randn(T, K, generator=gen, dtype=F64))).float().to(F64)
         beta = bf(torch.sigmoid(torch.randn(T, generator=gen, dtype=F64)))
-        ref, _ = kda_reference(*(x[None, :, None] for x in (q, k, v, g, beta)), K**-0.5)
-        out.append(((q, k, v, g, beta), ref[0, :, 0]))
+        ref, ht = kda_reference(*(x[None, :, None] for x in (q, k, v, g, beta)), K**-0.5, None, True)
+        out.append(((q, k, v, g, beta), ref[0, :, 0], ht[0, 0]))
     return out
+
+
+def mean_errors(on: set[str], aq: str, data: list) -> tuple[float, float]:
+    """Mean relative RMS errors of (o, final state) over ``data`` (:func:`cases`) with the rounding points ``on``."""
+    modes = {p: (aq if p in ("Aq", "Aq_o") else "bf16") if p in on else None for p in POINTS}
+    errs = [(rel_rms(o, ref), rel_rms(S, ht)) for (xs, ref, ht) in data for o, S in [chunked_forward(*xs, modes)]]
+    return sum(e[0] for e in errs) / len(errs), sum(e[1] for e in errs) / len(errs)
 
 
 def mean_error(on: set[str], aq: str, data: list) -> float:
     """Mean relative RMS error of o over ``data`` (:func:`cases`) with the rounding points ``on``."""
-    modes = {p: (aq if p in ("Aq", "Aq_o") else "bf16") if p in on else None for p in POINTS}
-    return sum(rel_rms(chunked_forward(*xs, modes), ref) for xs, ref in data) / len(data)
+    return mean_errors(on, aq, data)[0]
 
 
 def main() -> None:
@@ -103,14 +114,19 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--K", type=int, default=64, help="K = V")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--aq", choices=["bf16", "tf32"], default="bf16", help="rounding of the Aq points")
+    ap.add_argument("--aq", choices=["bf16", "tf32"], default="tf32", help="rounding of the Aq points")
+    ap.add_argument("--also", nargs="*", choices=["U"], default=[], help="add these points to the kernels' roundings")
     a = ap.parse_args()
-    every, data = set(POINTS), cases(a.T, a.K, a.seeds)
-    print(f"relative RMS error of o, mean of {a.seeds} seeds, T {a.T}, K = V = {a.K}, Aq points in {a.aq}: "
-          f"{mean_error(every, a.aq, data):.2e} with every rounding on")
-    print("| rounding | every one but this | this one alone |\n|---|---|---|")
+    every, data = (set(POINTS) - {"U"}) | set(a.also), cases(a.T, a.K, a.seeds)
+    o, ht = mean_errors(every, a.aq, data)
+    also = "".join(f" and {p}" for p in a.also)
+    print(f"relative RMS error of o (of the final state), mean of {a.seeds} seeds, T {a.T}, K = V = {a.K}, Aq points "
+          f"in {a.aq}: {o:.2e} ({ht:.2e}) with every rounding of the kernels on{also}")
+    print("| rounding | every one but this | this one alone | every one and this |\n|---|---|---|---|")
     for p in POINTS:
-        print(f"| {p} | {mean_error(every - {p}, a.aq, data):.2e} | {mean_error({p}, a.aq, data):.2e} |", flush=True)
+        rows = [mean_errors(every - {p}, a.aq, data), mean_errors({p}, a.aq, data),
+                mean_errors(every | {p}, a.aq, data)]
+        print(f"| {p} | " + " | ".join(f"{x:.2e} ({y:.2e})" for x, y in rows) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,20 @@ META = torch.device("meta")
 
 
 def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16,
-         scans_only: bool = False) -> list[aot.Launch]:
+         scans_only: bool = False, only: tuple[str, ...] = (), tuning: dict | None = None) -> list[aot.Launch]:
     """The chunked KDA launches at one shape (which scan kernels run depends on it: ``chunk._scan_plan``) and the
-    one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``."""
+    one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
+    ``tuning``: with these ``chunk.TUNING`` settings."""
     from k3lit.kernels.kda import chunk, fused_recurrent
+
+    if tuning:
+        saved = dict(chunk.TUNING)
+        chunk.TUNING.update(tuning)
+        try:
+            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only)
+        finally:
+            chunk.TUNING.clear()
+            chunk.TUNING.update(saved)
 
     bf = dict(device=META, dtype=dtype)
     q, k = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf)
@@ -59,6 +69,8 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
                         K**-0.5, None, 32, *fusion)
     if scans_only:
         return [x for x in launches if x.name.startswith(("_scan", "_out"))]
+    if only:  # the first launch of each (a pipeline launches a kernel once per segment)
+        return list({x.name: x for x in reversed(launches) if x.name in only}.values())[::-1]
     with aot.record_launches(fused_recurrent, "_fused_recurrent_fwd") as decode:
         state = torch.empty(B, H, K, V, device=META)
         one = [x[:, :1] for x in (q, k, v, g.float(), beta)]
@@ -105,7 +117,8 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at issue 3's B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
-    shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape);
+    shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape), and
+    the forward alternatives of ``chunk.TUNING`` that change kernels (not timed on a GPU yet);
     the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py) and its two-phase
     kernels for a block of 4 sublayers over 6 summaries at batch 8; the q|k|v short
     convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""
@@ -117,6 +130,14 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)": _kda(1, 65536, 16, 128, 128, False, False,
                                                                           scans_only=True),
         "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
+        "KDA K=V=128, gate + L2 fused, wy_g recomputed, u_dtype work": _kda(
+            4, 4096, 16, 128, 128, True, True, only=("_intra_fwd", "_wy_fwd"),
+            tuning=dict(wy_g="recomputed", u_dtype="work")),
+        "KDA K=V=256, plain scan writing the output": _kda(1, 8192, 32, 256, 256, False, False, only=("_scan_fwd",),
+                                                           tuning=dict(fwd_plain_out="fused")),
+        "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,
+                                               only=("_out_fwd", "_main_bwd"),
+                                               tuning=dict(fwd_segments=4, bwd_segments=4, fwd_scan="plain")),
         "AttnRes mix N=11 D=1024": _attn_res(11, 2 * 4096, 1024),
         "AttnRes two-phase N=6 S=4 D=1024": _attn_res_two_phase(6, 4, 8 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),

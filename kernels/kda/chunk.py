@@ -128,6 +128,17 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
     return i_n, t0, n_valid
 
 
+@triton.jit
+def _global_chunk(coff, cidx, i_c, i_n, SEGMENT: tl.constexpr):
+    """Global (int64) index of row ``i_c`` of a chunk table, chunk of sequence ``i_n``: where its per-chunk states
+    are stored. ``i_c`` itself in the table :func:`chunk_meta` builds; looked up in a pipeline segment's
+    (``SEGMENT``), whose rows are in another order."""
+    if SEGMENT:
+        return tl.load(coff + i_n).to(tl.int64) + tl.load(cidx + 2 * i_c + 1).to(tl.int64)
+    else:
+        return i_c.to(tl.int64)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------------
@@ -137,13 +148,14 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 def _intra_fwd(
     k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
-    L2: tl.constexpr,
+    L2: tl.constexpr, GC_ALL: tl.constexpr,
 ):
     """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), L = Diag(beta) A (strictly lower), and the scan's
     operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
     the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
     reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. L goes to
-    ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U."""
+    ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U. G goes to ``Gc``: every row
+    with ``GC_ALL``, else only the chunk's last (the scans' G_last; :func:`_wy_fwd` then forms G itself)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
     R: tl.constexpr = (C - 1) // 2
@@ -162,7 +174,7 @@ def _intra_fwd(
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
         b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-        tl.store(Gc + off, b_G, mask=msk)
+        tl.store(Gc + off, b_G, mask=msk if GC_ALL else msk & (rows == n_valid - 1)[:, None])
         b_Gr = _row(b_G, rows, R)
         up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
         dn = tl.exp(b_Gr[None, :] - b_G)
@@ -188,13 +200,13 @@ def _intra_fwd(
 
 @triton.jit
 def _wy_fwd(
-    k, v, beta, Gc, Mi, W, U, cu, cidx, rnk,
+    k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, g, bias, g_min,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr,
+    F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_G: tl.constexpr,
 ):
     """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi`` and the G it stored in
-    ``Gc``: M = (I + L)^-1 (stored over L when ``SAVE``, for the backward), W = M Diag(beta) (K⊙exp(G)) and
-    U = M Diag(beta) V.
+    ``Gc`` (or, with ``RECOMPUTE_G``, G formed again from ``g`` as :func:`_intra_fwd` forms it): M = (I + L)^-1
+    (stored over L when ``SAVE``, for the backward), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
 
     M by forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower): C - 1 dependent
     steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
@@ -223,7 +235,10 @@ def _wy_fwd(
         cols = kb + tl.arange(0, BK)
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_G = tl.load(Gc + off, mask=msk, other=0.0)
+        if RECOMPUTE_G:
+            b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
+        else:
+            b_G = tl.load(Gc + off, mask=msk, other=0.0)
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
         if L2:
             b_k *= r_k[:, None]
@@ -377,13 +392,13 @@ def _scan_fwd_t(
 def _out_fwd(
     Qg, Aq, D, h, o, cu, cidx, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, SEGMENT: tl.constexpr,
 ):
     """Per (value block, chunk, head): O = scale (Q⊙exp(G)) S + Aq Delta. The chunk table ``cidx`` may be a
-    pipeline segment's (rows in any order): the chunk's state is found by its sequence and position."""
+    pipeline segment's (``SEGMENT``): the chunk's state is then found by its sequence and position."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    i_g = tl.load(coff + i_n).to(tl.int64) + tl.load(cidx + 2 * i_c + 1).to(tl.int64)  # global chunk index
+    i_g = _global_chunk(coff, cidx, i_c, i_n, SEGMENT)
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
@@ -413,21 +428,24 @@ def _out_fwd(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["it_lo", "it_hi"])
 def _scan_bwd(
-    Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff,
+    Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, it_lo, it_hi,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
 ):
-    """Reverse recurrence, chunks last to first. With dS the gradient of the state leaving the chunk::
+    """Reverse recurrence over the chunks ``it_lo <= it < it_hi`` of each sequence, last to first (a segment of
+    :func:`chunk_bwd`'s pipeline: dS enters from ``dht`` and leaves to ``dh0`` in float32). With dS the gradient of
+    the state leaving the chunk::
 
         dDelta = Aq^T dO + Kd dS
         dS    <- Diag(exp(G_last)) dS + scale (Q⊙exp(G))^T dO - W^T dDelta
     """
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_s, m_kv, base, dS = _state_start(dht, i_nh, rk, cv, m_k, m_v, K, V, HAS_DHT, False)
-    for j in range(0, n_chunks):
-        it = n_chunks - 1 - j
+    it_end = tl.minimum(n_chunks, it_hi)
+    for j in range(0, it_end - it_lo):
+        it = it_end - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_kv)
@@ -445,9 +463,9 @@ def _scan_bwd(
         tl.store(dh0 + base + off_s, dS, mask=m_kv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["it_lo", "it_hi"])
 def _scan_bwd_t(
-    Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff,
+    Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, it_lo, it_hi,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
 ):
@@ -458,8 +476,9 @@ def _scan_bwd_t(
     """
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_st, m_vk, base, dSt = _state_start(dht, i_nh, rk, cv, m_k, m_v, K, V, HAS_DHT, True)
-    for j in range(0, n_chunks):
-        it = n_chunks - 1 - j
+    it_end = tl.minimum(n_chunks, it_hi)
+    for j in range(0, it_end - it_lo):
+        it = it_end - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_st, dSt.to(dh.dtype.element_ty), mask=m_vk)
@@ -480,11 +499,13 @@ def _scan_bwd_t(
 @triton.jit
 def _main_bwd(
     q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, s_dqg, s_dkd, s_dw, s_dq, s_dk, dgs, cu, cidx,
-    scale, e, bias, g_min, rnq, rnk,
+    coff, scale, e, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, SEGMENT: tl.constexpr,
 ):
-    """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO.
+    """Per (chunk, head): every input gradient of the chunk from h, dh, Delta, dDelta and dO. The chunk table
+    ``cidx`` may be a pipeline segment's (``SEGMENT``); the chunk's states are then found by its sequence and
+    position.
 
     Value side: dAq = dO Delta^T, dv = Diag(beta) M^T dDelta, dM = dDelta (Diag(beta) V)^T. Key side in
     K blocks, two passes. Pass 1: dQg = dO S^T, dKd = Delta dS^T, dW = -dDelta S^T, dM += dW X^T with
@@ -500,7 +521,8 @@ def _main_bwd(
     the norm was clamped at 1e-12, as F.normalize).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    i_n, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    i_g = _global_chunk(coff, cidx, i_c, i_n, SEGMENT)
     R: tl.constexpr = (C - 1) // 2
     rows = tl.arange(0, C)
     m_t = rows < n_valid
@@ -509,7 +531,7 @@ def _main_bwd(
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     offc = _cc_offsets(tok, i_h, rows, H, C)
     b_mt = tl.trans(tl.load(Mi + offc, mask=m_t[:, None], other=0.0))
-    hbase = (i_c.to(tl.int64) * H + i_h) * K * V  # int64: chunks x H x K x V passes 2^31 at long T, many heads
+    hbase = (i_g * H + i_h) * K * V  # int64: chunks x H x K x V passes 2^31 at long T, many heads
     if L2:
         r_q = tl.load(rnq + tok * H + i_h, mask=m_t, other=0.0)
         r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
@@ -556,7 +578,7 @@ def _main_bwd(
             dGs += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         tl.store(s_dqg + offk, dQg, mask=mk)
         tl.store(s_dkd + offk, dKd, mask=mk)
-        tl.store(dgs + (i_c.to(tl.int64) * H + i_h) * K + rk, dGs, mask=m_k)
+        tl.store(dgs + (i_g * H + i_h) * K + rk, dGs, mask=m_k)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
         if L2:
             b_k *= r_k[:, None]
@@ -586,7 +608,7 @@ def _main_bwd(
         dQg = tl.load(s_dqg + offk, mask=mk, other=0.0)
         dKd = tl.load(s_dkd + offk, mask=mk, other=0.0)
         dMW = tl.load(s_dw + offk, mask=mk, other=0.0)
-        dGs = tl.load(dgs + (i_c.to(tl.int64) * H + i_h) * K + rk, mask=m_k, other=0.0)
+        dGs = tl.load(dgs + (i_g * H + i_h) * K + rk, mask=m_k, other=0.0)
         b_q = tl.load(q + offk, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32)
         if L2:
@@ -736,24 +758,26 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: every forward kernel at 12.5% occupancy and ~46% of DRAM peak (benchmarks/RESULTS.md). Not yet timed.
 #: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored
 #: states, ``"fused"`` in the scan itself (the per-chunk states and Delta are then stored only for the backward).
-#: ``fwd_segments``: pipeline segments of the forward over a dense batch (None: by :func:`_fwd_segments`). Segment s
-#: covers the same range of chunks of every sequence; its state scan (and output kernel) runs on side streams as
-#: soon as its per-chunk kernels are done, concurrently with the next segment's, so the latency-bound scan no longer
-#: waits for the whole sequence's ``_intra_fwd`` and ``_wy_fwd``. The outputs are bit-identical for any count.
+#: ``u_dtype``: the dtype U = M Diag(beta) V is stored in between :func:`_wy_fwd` and the forward scan: ``"float32"``,
+#: or ``"work"`` (bf16 for bf16 and fp16 inputs), which halves U's traffic (1 KB of the ~5.9 KB per token and head
+#: that the forward moves at K = V = 128, by the kernels' loads and stores); ``benchmarks/kda_rounding.py --also U``
+#: puts its cost at +3% on o's error and none on the final state's.
+#: ``wy_g``: ``"stored"``: :func:`_wy_fwd` reads the G that :func:`_intra_fwd` stored; ``"recomputed"``: it forms G
+#: again from g (the same bytes, or half with the fused gate's bf16 e), and without a backward to follow
+#: :func:`_intra_fwd` writes only each chunk's last row of G (the scans' G_last): 0.5 KB per token and head less
+#: at K = 128.
+#: ``fwd_segments``: pipeline segments of the forward over a dense batch (1: none). Segment s covers the same range
+#: of chunks of every sequence; on CUDA its state scan (and output kernel) runs on side streams as soon as its
+#: per-chunk kernels are done, concurrently with the next segment's, so the latency-bound scan no longer waits for
+#: the whole sequence's ``_intra_fwd`` and ``_wy_fwd``. The outputs are bit-identical for any count. Off by default
+#: until timed on a GPU (the ``segments N`` entries of ``kda_breakdown.py``'s sweep). ``bwd_segments``: the same for
+#: the backward, last segment first: each segment's reverse scan runs on a side stream and its ``_main_bwd`` on the
+#: caller's stream once that scan is done, beside the scan of the segment before it.
 #: ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
-                    wy_bv=None, fwd_segments=None, fwd_plain_out="separate")
-
-
-def _fwd_segments(n_per: int, device: torch.device) -> int:
-    """Pipeline segments of the forward over a dense batch of ``n_per`` chunks per sequence: ``TUNING
-    ["fwd_segments"]``, else (None) up to 8 on CUDA, each of at least 16 chunks per sequence, and 1 elsewhere
-    (where nothing runs concurrently)."""
-    P = TUNING["fwd_segments"]
-    if P is None:
-        P = min(8, n_per // 16) if device.type == "cuda" else 1
-    return max(1, min(P, n_per))
+                    wy_bv=None, fwd_segments=1, bwd_segments=1, fwd_plain_out="separate", u_dtype="float32",
+                    wy_g="stored")
 
 
 @functools.lru_cache(maxsize=64)
@@ -793,11 +817,13 @@ def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.S
 
 @contextlib.contextmanager
 def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None):
-    """Launch on ``stream`` once the work queued so far on ``after`` is done; with no stream, where we are."""
+    """Launch on ``stream`` once the work queued so far on ``after`` (if any) is done; with no stream, where we
+    are."""
     if stream is None:
         yield
         return
-    stream.wait_event(after.record_event())
+    if after is not None:
+        stream.wait_event(after.record_event())
     with torch.cuda.stream(stream):
         yield
 
@@ -857,7 +883,8 @@ def chunk_fwd(
     W = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
     Kd = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
     Qg = torch.empty(B, T, H, K, device=q.device, dtype=wdt)
-    U = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)  # read once by the scan; keeps ht exact-er
+    # read once by the scan; float32 by default (TUNING "u_dtype")
+    U = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32 if TUNING["u_dtype"] == "float32" else wdt)
     D = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     h = torch.empty(max_chunks(B * T, N, C), H, K, V, device=q.device, dtype=wdt)
     o = torch.empty_like(v)
@@ -873,11 +900,10 @@ def chunk_fwd(
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw)
     fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
+    recompute_g = TUNING["wy_g"] == "recomputed"
     table, segs = cidx, [(0, NC, 0, 2**31 - 1)]
-    if cu_seqlens is None:
-        P = _fwd_segments(triton.cdiv(T, C), q.device)
-        if P > 1:
-            table, segs = _segment_table(B, triton.cdiv(T, C), P, q.device)
+    if cu_seqlens is None and TUNING["fwd_segments"] > 1 and T > C:
+        table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["fwd_segments"], q.device)
     side = _side_streams(q.device) if q.device.type == "cuda" and len(segs) > 1 else None
     main = torch.cuda.current_stream(q.device) if side else None
     if side:
@@ -887,10 +913,11 @@ def chunk_fwd(
         rows = table[r0:r1]
         _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, rows, scale, bias, g_min if gate else 0.0, rnq,
                                  rnk, H=H, K=K, C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate,
-                                 L2=qk_l2norm, num_warps=TUNING["intra_warps"])
-        _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, H=H, K=K, V=V, C=C,
-                              BK=min(TUNING["wy_bk"] or 64, _pow2(K)), BV=min(TUNING["wy_bv"] or 64, _pow2(V)),
-                              F32=F32, L2=qk_l2norm, SAVE=save, num_warps=TUNING["wy_warps"])
+                                 L2=qk_l2norm, GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"])
+        _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, g_min if gate else 0.0, H=H, K=K, V=V,
+                              C=C, BK=min(TUNING["wy_bk"] or 64, _pow2(K)), BV=min(TUNING["wy_bv"] or 64, _pow2(V)),
+                              F32=F32, L2=qk_l2norm, SAVE=save, GATE=gate, RECOMPUTE_G=recompute_g,
+                              num_warps=TUNING["wy_warps"])
         # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
         h0 = initial_state if i == 0 else ht
         scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)
@@ -904,7 +931,8 @@ def chunk_fwd(
             BVo = min(64, _pow2(V))
             with _on(side and side[1], side and side[0]):
                 _out_fwd[(triton.cdiv(V, BVo), r1 - r0, H)](Qg, Aq, D, h, o, cu, rows, coff, H=H, K=K, V=V, C=C,
-                                                            BK=BKi, BV=BVo, F32=F32, num_warps=TUNING["out_warps"])
+                                                            BK=BKi, BV=BVo, F32=F32, SEGMENT=len(segs) > 1,
+                                                            num_warps=TUNING["out_warps"])
     if side:
         for s in side:
             main.wait_stream(s)
@@ -946,18 +974,34 @@ def chunk_bwd(
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
     transposed, BK, BV, nw = _scan_plan("bwd", N * H, K, V, q.device)
-    (_scan_bwd_t if transposed else _scan_bwd)[(triton.cdiv(V, BV), N * H)](
-        Qg, Kd, Gc, W, Aq, do, dD, dh, dht, dh0, cu, coff, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
-        HAS_DHT=dht is not None, STORE_DH0=need_dh0, F32=F32, num_warps=nw)
+    scan = _scan_bwd_t if transposed else _scan_bwd
     # float32 scratch: dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ (passes 2 -> 3)
     scr = torch.empty(5 if qk_l2norm else 3, B, T, H, K, device=q.device, dtype=torch.float32)
     s_dq, s_dk = (scr[3], scr[4]) if qk_l2norm else (None, None)
     dgs = torch.empty(h.shape[0] * H * K, device=q.device, dtype=torch.float32)
     gate = g_min is not None
     rnq, rnk = Rn if qk_l2norm else (None, None)
-    _main_bwd[(NC, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2], s_dq,
-                       s_dk, dgs, cu, cidx, scale, g if gate else None, _bias(gate_bias, gate, H * K, q.device),
-                       g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
-                       BV=min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V)), F32=F32, GATE=gate,
-                       L2=qk_l2norm, num_warps=TUNING["main_bwd_warps"])
+    bias = _bias(gate_bias, gate, H * K, q.device)
+    table, segs = cidx, [(0, NC, 0, 2**31 - 1)]
+    if cu_seqlens is None and TUNING["bwd_segments"] > 1 and T > C:
+        table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["bwd_segments"], q.device)
+    side = _side_streams(q.device)[0] if q.device.type == "cuda" and len(segs) > 1 else None
+    main = torch.cuda.current_stream(q.device) if side else None
+    for i, (r0, r1, it_lo, it_hi) in reversed(list(enumerate(segs))):
+        # dS enters segment i < last from dh0, where segment i + 1 left it (float32)
+        last = i == len(segs) - 1
+        dS_in = dht if last else dh0
+        with _on(side, main if last else None):
+            scan[(triton.cdiv(V, BV), N * H)](
+                Qg, Kd, Gc, W, Aq, do, dD, dh, dS_in, dh0, cu, coff, it_lo, it_hi, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+                HAS_DHT=dS_in is not None, STORE_DH0=need_dh0 or i > 0, F32=F32, num_warps=nw)
+        if side:
+            main.wait_event(side.record_event())
+        _main_bwd[(r1 - r0, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2],
+                                s_dq, s_dk, dgs, cu, table[r0:r1], coff, scale, g if gate else None, bias,
+                                g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
+                                BV=min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V)), F32=F32,
+                                GATE=gate, L2=qk_l2norm, SEGMENT=len(segs) > 1, num_warps=TUNING["main_bwd_warps"])
+    if side:
+        main.wait_stream(side)
     return dq, dk, dv, dg, dbeta, dh0

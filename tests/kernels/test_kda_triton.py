@@ -138,10 +138,11 @@ def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
 
 @pytest.mark.parametrize("segments,expect", [(2, [(0, 6, 0, 3), (6, 10, 3, 5)]),
                                              (4, [(0, 4, 0, 2), (4, 8, 2, 4), (8, 10, 4, 5)])])
-def test_pipelined_forward_equals_one_pass(seed, scan_layout, monkeypatch, segments, expect):
-    """The forward in pipeline segments (``chunk.TUNING["fwd_segments"]``; on the GPU each segment's scan runs on a
-    side stream beside the next segment's per-chunk kernels) gives bit-identical outputs, final state and
-    gradients: the state crosses each segment boundary in float32. B = 2 sequences of 5 chunks (T = 150)."""
+def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkeypatch, segments, expect):
+    """The forward and backward in pipeline segments (``chunk.TUNING["fwd_segments"]``, ``["bwd_segments"]``; on the
+    GPU each segment's scan runs on a side stream beside the per-chunk kernels of another segment) give bit-identical
+    outputs, final state and gradients: the state and its gradient cross each segment boundary in float32. B = 2
+    sequences of 5 chunks (T = 150)."""
     from k3lit.kernels.kda import chunk, kda_triton
 
     table, segs = chunk._segment_table(2, 5, segments, torch.device(DEV))
@@ -150,25 +151,29 @@ def test_pipelined_forward_equals_one_pass(seed, scan_layout, monkeypatch, segme
                               for c in range(lo, hi)]
     inputs = make_inputs(2, 150, 2, 16, 24)
     do = torch.randn(2, 150, 2, 24, device=DEV)
+    t = "_t" if scan_layout == "transposed" else ""
     results = []
     for P in (1, segments):
         monkeypatch.setitem(chunk.TUNING, "fwd_segments", P)
+        monkeypatch.setitem(chunk.TUNING, "bwd_segments", P)
         xs = [x.detach().clone().requires_grad_() for x in inputs]
         scans = []
-        launch = chunk._scan_fwd_t if scan_layout == "transposed" else chunk._scan_fwd
+        for name in (f"_scan_fwd{t}", f"_scan_bwd{t}"):
+            launch = getattr(chunk, name)
 
-        class Spy:
-            def __getitem__(self, grid):
-                def run(*args, **kw):
-                    scans.append(args[10:12])  # it_lo, it_hi
-                    return launch[grid](*args, **kw)
-                return run
+            class Spy:
+                def __getitem__(self, grid, launch=launch, name=name, scans=scans):
+                    def run(*args, **kw):
+                        at = 10 if name.startswith("_scan_fwd") else 12  # it_lo, it_hi follow cu, coff
+                        scans.append((name[:9], *args[at:at + 2]))
+                        return launch[grid](*args, **kw)
+                    return run
 
-        monkeypatch.setattr(chunk, launch.__name__, Spy())
+            monkeypatch.setattr(chunk, name, Spy())
         o, ht = kda_triton(*xs[:5], None, xs[5], True)
-        monkeypatch.setattr(chunk, launch.__name__, launch)
-        assert [s[0] for s in scans] == ([0] if P == 1 else [s[2] for s in expect])
         (o * do).sum().add(ht.sum()).backward()
+        ranges = [(0, 2**31 - 1)] if P == 1 else [(lo, hi) for *_, lo, hi in expect]
+        assert scans == [("_scan_fwd", *r) for r in ranges] + [("_scan_bwd", *r) for r in reversed(ranges)]
         results.append([o, ht, *(x.grad for x in xs)])
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -189,6 +194,30 @@ def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
         o, ht = kda_triton(q, k, v, g, beta, None, h0, True)
     o_r, ht_r = kda_reference(*(x.double() for x in inputs[:5]), None, h0.double(), True)
     assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_wy_recomputing_g(seed, monkeypatch, fused):
+    """``TUNING["wy_g"] = "recomputed"``: ``_wy_fwd`` forms G itself from g (or the fused gate's e and bias) and,
+    with no backward to follow, ``_intra_fwd`` stores only each chunk's last row of G. Against the reference with
+    and without a backward (varlen, a partial last chunk), and only those rows written without one."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    monkeypatch.setitem(chunk.TUNING, "wy_g", "recomputed")
+    cu = torch.tensor([0, 9, 70], device=DEV)
+    if fused:
+        assert_errors(run_fused(1, 70, 2, 24, 16, cu_seqlens=cu, N=2), FUSED_TOL)
+    else:
+        assert_errors(run_both(make_inputs(1, 70, 2, 24, 16, N=2), cu_seqlens=cu), TOL_F32)
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 24, 16, N=2)
+    with torch.no_grad():
+        o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu)
+    o_r, ht_r = kda_reference(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), True, cu)
+    assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
+    Gc = chunk.chunk_fwd(q, k, v, g, beta, 24**-0.5, h0, True, cu, 32, save=False)[2]
+    last = [8, 40, 69]  # the chunks' last tokens: [0, 9), [9, 41), [41, 70)
+    written = Gc[0].isfinite().all(-1).all(-1)  # every other row stays NaN (conftest's empty)
+    assert written.nonzero().flatten().tolist() == last
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -589,6 +618,72 @@ def test_gpu_dense_metadata_first_built_in_a_graph_capture(seed):
     assert torch.equal(eager[1].cpu(), torch.stack([torch.arange(B).repeat_interleave(n_per),
                                                     torch.arange(n_per).repeat(B)], 1).int())
     assert chunk.chunk_meta(None, B, T, C, dev)[1] is eager[1]  # cached outside a capture
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkeypatch, graph):
+    """On CUDA each pipeline segment's scan runs on a side stream: a missing wait between the streams would show
+    as a result that differs from the one-pass forward (bit-identical otherwise), in eager calls and in a CUDA
+    graph that captured the streams (replayed on fresh inputs); likewise the backward's gradients."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    inputs = make_inputs(2, 4000, 4, 128, 128, dtype=torch.bfloat16, device="cuda")  # 125 chunks per sequence
+    fresh = make_inputs(2, 4000, 4, 128, 128, dtype=torch.bfloat16, device="cuda")
+    results = []
+    for P in (1, 4):
+        monkeypatch.setitem(chunk.TUNING, "fwd_segments", P)
+        xs = [x.clone() for x in inputs]
+
+        def fwd(xs=xs):
+            with torch.no_grad():
+                return kda_triton(*xs[:5], None, xs[5], True)
+
+        if graph:
+            fwd()  # compile and build the tables outside the capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = fwd()
+            for x, y in zip(xs, fresh):
+                x.copy_(y)
+            g.replay()
+            torch.cuda.synchronize()
+            results.append([t.clone() for t in out])
+        else:
+            results.append(list(fwd()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    grads = []
+    for P in (1, 4):  # the backward's pipeline, eagerly
+        monkeypatch.setitem(chunk.TUNING, "bwd_segments", P)
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        o, ht = kda_triton(*xs[:5], None, xs[5], True)
+        (o.float().square().sum() + ht.sum()).backward()
+        grads.append([x.grad for x in xs])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert_errors(run_both(inputs), TOL_BF16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
+                                     dict(wy_g="recomputed")])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
+    """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
+    within docs/MATH.md's tolerances (K = V = 256 for the plain scan's fused output, else 128)."""
+    from k3lit.kernels.kda import chunk
+
+    for key, value in variant.items():
+        monkeypatch.setitem(chunk.TUNING, key, value)
+    D = 256 if "fwd_plain_out" in variant else 128
+    if fused:
+        err = run_fused(2, 600, 2, D, D, dtype=torch.bfloat16, device="cuda")
+        assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})
+    else:
+        assert_errors(run_both(make_inputs(1, 1000, 2, D, D, dtype=torch.bfloat16, device="cuda")), TOL_BF16)
 
 
 def test_benchmark_input_variants_agree(seed):
