@@ -68,12 +68,19 @@ SWEEP = {
     "fwd bytes cut, segments 8": dict(u_dtype="work", wy_g="recomputed", fwd_segments=8),
     "fwd bytes cut, plain fused out, segments 4": dict(u_dtype="work", wy_g="recomputed", fwd_scan="plain",
                                                        fwd_plain_out="fused", fwd_segments=4),
+    "prep fused 1 warp bk32": dict(fwd_prep="fused", prep_warps=1, wy_bk=32, wy_bv=32),
+    "prep fused 2 warps bk32": dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32),
+    "prep fused 4 warps bk32": dict(fwd_prep="fused", prep_warps=4, wy_bk=32, wy_bv=32),
+    "prep fused 2 warps, u work, segments 4": dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32,
+                                                   u_dtype="work", fwd_segments=4),
 }
 #: The forward alternatives of session 8 (pipeline segments, fewer bytes), not yet timed on a GPU.
 FORWARD_VARIANTS = ["segments 1", "segments 2", "segments 4", "segments 8", "segments 16", "fwd plain fused out",
                     "u work dtype", "wy recomputes g", "fwd bytes cut", "fwd bytes cut, segments 4",
                     "fwd bytes cut, segments 8", "fwd bytes cut, plain fused out, segments 4", "bwd segments 4",
-                    "bwd segments 8", "intra bk32 4 warps", "wy bk32 bv32 2 warps"]
+                    "bwd segments 8", "intra bk32 4 warps", "wy bk32 bv32 2 warps", "fwd transposed bv32",
+                    "fwd transposed bv16", "prep fused 1 warp bk32", "prep fused 2 warps bk32",
+                    "prep fused 4 warps bk32", "prep fused 2 warps, u work, segments 4"]
 
 
 def shape(text: str) -> tuple[int, int, int, int]:

@@ -61,7 +61,8 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     beta = torch.empty(B, T, H, **bf)
     bias = torch.empty(H * K, device=META) if gate else None
     fusion = (bias, -5.0 if gate else None, l2)
-    names = ("_intra_fwd", "_wy_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t", "_main_bwd")
+    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t",
+             "_main_bwd")
     with aot.record_launches(chunk, *names) as launches:
         o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
                                                                *fusion)
@@ -135,6 +136,9 @@ def configs() -> dict[str, list[aot.Launch]]:
             tuning=dict(wy_g="recomputed", u_dtype="work")),
         "KDA K=V=256, plain scan writing the output": _kda(1, 8192, 32, 256, 256, False, False, only=("_scan_fwd",),
                                                            tuning=dict(fwd_plain_out="fused")),
+        "KDA K=V=128, gate + L2 fused, intra and wy in one kernel (2 warps, 32-wide steps)": _kda(
+            4, 4096, 16, 128, 128, True, True, only=("_prep_fwd",),
+            tuning=dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32)),
         "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,
                                                only=("_out_fwd", "_main_bwd"),
                                                tuning=dict(fwd_segments=4, bwd_segments=4, fwd_scan="plain")),

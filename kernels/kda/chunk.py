@@ -145,28 +145,22 @@ def _global_chunk(coff, cidx, i_c, i_n, SEGMENT: tl.constexpr):
 
 
 @triton.jit
-def _intra_fwd(
-    k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
+def _intra_chunk(
+    k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t, tok,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
     L2: tl.constexpr, GC_ALL: tl.constexpr,
 ):
-    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), L = Diag(beta) A (strictly lower), and the scan's
-    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
-    the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
-    reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. L goes to
-    ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U. G goes to ``Gc``: every row
-    with ``GC_ALL``, else only the chunk's last (the scans' G_last; :func:`_wy_fwd` then forms G itself)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    """The per-chunk work of :func:`_intra_fwd` for the chunk of ``n_valid`` tokens from ``t0`` (rows ``rows``,
+    mask ``m_t``, token indices ``tok``): stores G, Aq, Kd, Qg (and the reciprocal norms with ``L2``); returns
+    ``(L [C, C], r_k [C])``, r_k the keys' reciprocal norms (ones without ``L2``)."""
     R: tl.constexpr = (C - 1) // 2
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
-    tok = t0 + rows
     if L2:
         r_q = _rnorm(q, tok, i_h, m_t, H, K, C, BK)
         r_k = _rnorm(k, tok, i_h, m_t, H, K, C, BK)
         tl.store(rnq + tok * H + i_h, r_q, mask=m_t)
         tl.store(rnk + tok * H + i_h, r_k, mask=m_t)
+    else:
+        r_k = tl.full([C], 1.0, dtype=tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
     B_qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
@@ -193,9 +187,70 @@ def _intra_fwd(
     # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
     L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
     B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
-    offc = _cc_offsets(tok, i_h, rows, H, C)
-    tl.store(Aq + offc, _tf32(B_qk, F32), mask=m_t[:, None])
-    tl.store(Mi + offc, L, mask=m_t[:, None])  # _wy_fwd replaces L by M = (I + L)^-1
+    tl.store(Aq + _cc_offsets(tok, i_h, rows, H, C), _tf32(B_qk, F32), mask=m_t[:, None])
+    return L, r_k
+
+
+@triton.jit
+def _wy_chunk(
+    L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_G: tl.constexpr,
+):
+    """The per-chunk work of :func:`_wy_fwd` from the chunk's L (``[C, C]``) and keys' reciprocal norms ``r_k``:
+    M (stored to ``Mi`` when ``SAVE``), W and U."""
+    X = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, C):
+        l_i = _row(L, rows, i)
+        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
+        X = tl.where((rows == i)[:, None], x_i[None, :], X)
+    if SAVE:
+        tl.debug_barrier()  # every thread has read L (which _wy_fwd loads from Mi) before M overwrites it
+        tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), X, mask=m_t[:, None])
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        if RECOMPUTE_G:
+            b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
+        else:
+            b_G = tl.load(Gc + off, mask=msk, other=0.0)
+        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        if L2:
+            b_k *= r_k[:, None]
+        b_w = _dot(Xb, _op(b_k * tl.exp(b_G), F32), F32)
+        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
+    for vb in range(0, V, BV):
+        cols = vb + tl.arange(0, BV)
+        msk = m_t[:, None] & (cols < V)[None, :]
+        off = tok[:, None] * (H * V) + i_h * V + cols[None, :]
+        b_v = tl.load(v + off, mask=msk, other=0.0)
+        b_u = _dot(Xb, _op(b_v, F32), F32)
+        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _intra_fwd(
+    k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
+    L2: tl.constexpr, GC_ALL: tl.constexpr,
+):
+    """Per (chunk, head): G = cumsum(g), Aq (scaled, [C, C]), L = Diag(beta) A (strictly lower), and the scan's
+    operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
+    the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
+    reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. L goes to
+    ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U. G goes to ``Gc``: every row
+    with ``GC_ALL``, else only the chunk's last (the scans' G_last; :func:`_wy_fwd` then forms G itself)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
+    tok = t0 + rows
+    L, _ = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
+                        tok, H, K, C, BK, F32, GATE, L2, GC_ALL)
+    tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), L, mask=m_t[:, None])  # _wy_fwd replaces L by M
 
 
 @triton.jit
@@ -217,40 +272,34 @@ def _wy_fwd(
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
-    offc = _cc_offsets(tok, i_h, rows, H, C)
-    L = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
-    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    X = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, C):
-        l_i = _row(L, rows, i)
-        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
-        X = tl.where((rows == i)[:, None], x_i[None, :], X)
-    if SAVE:
-        tl.debug_barrier()  # every thread has read L before M overwrites it
-        tl.store(Mi + offc, X, mask=m_t[:, None])
-    Xb = _op(X * b_beta[None, :], F32)  # M Diag(beta)
+    L = tl.load(Mi + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
     if L2:
         r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
-    for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        msk = m_t[:, None] & (cols < K)[None, :]
-        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        if RECOMPUTE_G:
-            b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-        else:
-            b_G = tl.load(Gc + off, mask=msk, other=0.0)
-        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
-        if L2:
-            b_k *= r_k[:, None]
-        b_w = _dot(Xb, _op(b_k * tl.exp(b_G), F32), F32)
-        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
-    for vb in range(0, V, BV):
-        cols = vb + tl.arange(0, BV)
-        msk = m_t[:, None] & (cols < V)[None, :]
-        off = tok[:, None] * (H * V) + i_h * V + cols[None, :]
-        b_v = tl.load(v + off, mask=msk, other=0.0)
-        b_u = _dot(Xb, _op(b_v, F32), F32)
-        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
+    else:
+        r_k = tl.full([C], 1.0, dtype=tl.float32)
+    _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
+              GATE, RECOMPUTE_G)
+
+
+@triton.jit
+def _prep_fwd(
+    k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, cidx, scale, bias, g_min, rnq, rnk,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr,
+):
+    """:func:`_intra_fwd` and :func:`_wy_fwd` in one program per (chunk, head) (``TUNING["fwd_prep"] = "fused"``):
+    L stays in registers, G is formed twice from g instead of stored and read back (stored only for the backward,
+    ``SAVE``; else only each chunk's last row, for the scans), and the second pass's k and g reads come from the
+    cache rather than DRAM: ~1.5 KB less traffic per token and head at K = V = 128."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    rows = tl.arange(0, C)
+    m_t = rows < n_valid
+    tok = t0 + rows
+    L, r_k = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
+                          tok, H, K, C, BK, F32, GATE, L2, SAVE)
+    _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
+              GATE, True)
 
 
 @triton.jit
@@ -766,6 +815,8 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: again from g (the same bytes, or half with the fused gate's bf16 e), and without a backward to follow
 #: :func:`_intra_fwd` writes only each chunk's last row of G (the scans' G_last): 0.5 KB per token and head less
 #: at K = 128.
+#: ``fwd_prep``: ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`; ``"fused"`` runs both in :func:`_prep_fwd`
+#: on ``prep_warps`` warps (key / value steps of ``wy_bk`` / ``wy_bv``).
 #: ``fwd_segments``: pipeline segments of the forward over a dense batch (1: none). Segment s covers the same range
 #: of chunks of every sequence; on CUDA its state scan (and output kernel) runs on side streams as soon as its
 #: per-chunk kernels are done, concurrently with the next segment's, so the latency-bound scan no longer waits for
@@ -777,7 +828,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments=1, bwd_segments=1, fwd_plain_out="separate", u_dtype="float32",
-                    wy_g="stored")
+                    wy_g="stored", fwd_prep="split", prep_warps=1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -901,6 +952,8 @@ def chunk_fwd(
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw)
     fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
     recompute_g = TUNING["wy_g"] == "recomputed"
+    gmin = g_min if gate else 0.0
+    BKw, BVw = min(TUNING["wy_bk"] or 64, _pow2(K)), min(TUNING["wy_bv"] or 64, _pow2(V))
     table, segs = cidx, [(0, NC, 0, 2**31 - 1)]
     if cu_seqlens is None and TUNING["fwd_segments"] > 1 and T > C:
         table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["fwd_segments"], q.device)
@@ -911,13 +964,17 @@ def chunk_fwd(
             s.wait_stream(main)
     for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
         rows = table[r0:r1]
-        _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, rows, scale, bias, g_min if gate else 0.0, rnq,
-                                 rnk, H=H, K=K, C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate,
-                                 L2=qk_l2norm, GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"])
-        _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, g_min if gate else 0.0, H=H, K=K, V=V,
-                              C=C, BK=min(TUNING["wy_bk"] or 64, _pow2(K)), BV=min(TUNING["wy_bv"] or 64, _pow2(V)),
-                              F32=F32, L2=qk_l2norm, SAVE=save, GATE=gate, RECOMPUTE_G=recompute_g,
-                              num_warps=TUNING["wy_warps"])
+        if TUNING["fwd_prep"] == "fused":
+            _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, rows, scale, bias, gmin, rnq, rnk,
+                                    H=H, K=K, V=V, C=C, BK=BKw, BV=BVw, F32=F32, GATE=gate, L2=qk_l2norm, SAVE=save,
+                                    num_warps=TUNING["prep_warps"])
+        else:
+            _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, rows, scale, bias, gmin, rnq, rnk, H=H, K=K,
+                                     C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate, L2=qk_l2norm,
+                                     GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"])
+            _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, gmin, H=H, K=K, V=V, C=C, BK=BKw,
+                                  BV=BVw, F32=F32, L2=qk_l2norm, SAVE=save, GATE=gate, RECOMPUTE_G=recompute_g,
+                                  num_warps=TUNING["wy_warps"])
         # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
         h0 = initial_state if i == 0 else ht
         scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)

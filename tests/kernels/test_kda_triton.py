@@ -196,14 +196,18 @@ def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
 
 
+@pytest.mark.parametrize("variant", [dict(wy_g="recomputed"), dict(fwd_prep="fused", wy_bk=16, wy_bv=16)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_wy_recomputing_g(seed, monkeypatch, fused):
+def test_forward_forming_g_twice(seed, monkeypatch, variant, fused):
     """``TUNING["wy_g"] = "recomputed"``: ``_wy_fwd`` forms G itself from g (or the fused gate's e and bias) and,
-    with no backward to follow, ``_intra_fwd`` stores only each chunk's last row of G. Against the reference with
-    and without a backward (varlen, a partial last chunk), and only those rows written without one."""
+    with no backward to follow, ``_intra_fwd`` stores only each chunk's last row of G; ``fwd_prep = "fused"``: both
+    in one kernel (``_prep_fwd``, here in 16-wide steps at K = 24, V = 16: the blocked loops and their masks).
+    Against the reference with and without a backward (varlen, a partial last chunk), and only those rows written
+    without one."""
     from k3lit.kernels.kda import chunk, kda_triton
 
-    monkeypatch.setitem(chunk.TUNING, "wy_g", "recomputed")
+    for key, value in variant.items():
+        monkeypatch.setitem(chunk.TUNING, key, value)
     cu = torch.tensor([0, 9, 70], device=DEV)
     if fused:
         assert_errors(run_fused(1, 70, 2, 24, 16, cu_seqlens=cu, N=2), FUSED_TOL)
@@ -669,7 +673,8 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
-                                     dict(wy_g="recomputed")])
+                                     dict(wy_g="recomputed"), dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32),
+                                     dict(fwd_prep="fused", prep_warps=1, wy_bk=32, wy_bv=32)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
     """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
