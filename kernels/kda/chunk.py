@@ -12,14 +12,15 @@ its middle row and ``S`` the state entering the chunk (docs/MATH.md §1)::
     O    = scale (Q⊙exp(G)) S + Aq Delta
     S'   = Diag(exp(G_last)) S + (K⊙exp(G_last - G))^T Delta
 
-Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, L), ``_wy_fwd`` (per chunk: M, W, U), ``_scan_fwd``
-(per sequence and value block: the sequential state recurrence, stores every chunk's entering state and
-Delta), ``_out_fwd`` (per chunk: O); or, in place of the last two, ``_scan_fwd_t`` (the same recurrence on the
-transposed state, writing O as it goes). Backward: ``_scan_bwd`` or ``_scan_bwd_t`` (reverse recurrence of dS,
-stores dS per chunk and dDelta), ``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta). :func:`_scan_plan` picks the
-layout per shape; ``TUNING`` holds the launch settings. Precision: exponentials, cumulative sums, the inverse
-and the states in float32; matrix-product operands in bfloat16 (float32 for float32 inputs) with float32
-accumulation.
+Kernels (forward): ``_intra_fwd`` (per chunk: G, A, Aq, L), ``_wy_fwd`` (per chunk: M, W, U), or both in one,
+``_prep_fwd``; ``_scan_fwd`` (per sequence and value block: the sequential state recurrence, stores every chunk's
+entering state and Delta), ``_out_fwd`` (per chunk: O); or, in place of the last two, ``_scan_fwd_t`` (the same
+recurrence on the transposed state, writing O as it goes). Backward: ``_scan_bwd`` or ``_scan_bwd_t`` (reverse
+recurrence of dS, stores dS per chunk and dDelta), ``_main_bwd`` (per chunk: dq, dk, dv, dg, dbeta).
+:func:`_scan_plan` picks the layout per shape; ``TUNING`` holds the launch settings, among them the pipeline
+segments, with which each segment's scan runs on a side stream beside another segment's per-chunk kernels.
+Precision: exponentials, cumulative sums, the inverse and the states in float32; matrix-product operands in
+bfloat16 (float32 for float32 inputs) with float32 accumulation.
 
 Every launcher works on a packed layout ``[1, T_total, H, X]``; a dense ``[B, T]`` batch is the packed batch
 with ``cu_seqlens = [0, T, 2T, ...]``. Chunk metadata: ``chunk_idx [NC, 2]`` = (sequence, chunk in the
