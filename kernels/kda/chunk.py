@@ -232,7 +232,7 @@ def _wy_chunk(
         tl.store(U + off, b_u.to(U.dtype.element_ty), mask=msk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _intra_fwd(
     k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
@@ -254,7 +254,7 @@ def _intra_fwd(
     tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), L, mask=m_t[:, None])  # _wy_fwd replaces L by M
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _wy_fwd(
     k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, g, bias, g_min,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -282,7 +282,7 @@ def _wy_fwd(
               GATE, RECOMPUTE_G)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _prep_fwd(
     k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -438,7 +438,7 @@ def _scan_fwd_t(
         tl.store(ht + base + off_st, St, mask=m_vk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _out_fwd(
     Qg, Aq, D, h, o, cu, cidx, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -546,7 +546,7 @@ def _scan_bwd_t(
         tl.store(dh0 + base + off_st, dSt, mask=m_vk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _main_bwd(
     q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, s_dqg, s_dkd, s_dw, s_dq, s_dk, dgs, cu, cidx,
     coff, scale, e, bias, g_min, rnq, rnk,
@@ -815,7 +815,8 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``wy_g``: ``"stored"``: :func:`_wy_fwd` reads the G that :func:`_intra_fwd` stored; ``"recomputed"``: it forms G
 #: again from g (the same bytes, or half with the fused gate's bf16 e), and without a backward to follow
 #: :func:`_intra_fwd` writes only each chunk's last row of G (the scans' G_last): 0.5 KB per token and head less
-#: at K = 128.
+#: at K = 128. The two kernels' cumulative sums may associate differently (other warps and steps), so W may
+#: differ from "stored" by float32 rounding; :func:`_prep_fwd` forms G twice the same way.
 #: ``fwd_prep``: ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`; ``"fused"`` runs both in :func:`_prep_fwd`
 #: on ``prep_warps`` warps (key / value steps of ``wy_bk`` / ``wy_bv``).
 #: ``fwd_segments``: pipeline segments of the forward over a dense batch (1: none). Segment s covers the same range
@@ -834,25 +835,26 @@ TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, 
 
 @functools.lru_cache(maxsize=64)
 def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stream: int
-                          ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+                          ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
     """The chunk table of a dense batch of B sequences with ``n_per`` chunks each, ordered by pipeline segment:
-    segment s covers chunks ``[lo, hi)`` of every sequence, ``lo = s * ceil(n_per / P)``. Returns ``(table
-    [NC, 2] int32, [(row_lo, row_hi, lo, hi), ...])``: the segment's rows of the table and its chunk range.
-    Cached like :func:`_dense_meta`."""
-    S = triton.cdiv(n_per, P)
+    segment s (of ``min(P, n_per)``) covers chunks ``[lo_s, lo_{s+1})`` of every sequence, ``lo_s = s n_per // P``
+    (the longer segments last: the first one's per-chunk kernels run before any scan can start). Returns ``(table
+    [NC, 2] int32, ((row_lo, row_hi, lo, hi), ...))``: each segment's rows of the table and its chunk range. Cached
+    like :func:`_dense_meta`."""
+    P = min(P, n_per)
+    bounds = [s * n_per // P for s in range(P + 1)]
     parts, segs = [], []
-    for lo in range(0, n_per, S):
-        n = min(S, n_per - lo)
-        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n)
-        pos = torch.arange(lo, lo + n, device=device, dtype=torch.int32).repeat(B)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(hi - lo)
+        pos = torch.arange(lo, hi, device=device, dtype=torch.int32).repeat(B)
         parts.append(torch.stack([seq, pos], 1))
         row = segs[-1][1] if segs else 0
-        segs.append((row, row + B * n, lo, lo + n))
-    return torch.cat(parts).contiguous(), segs
+        segs.append((row, row + B * (hi - lo), lo, hi))
+    return torch.cat(parts).contiguous(), tuple(segs)
 
 
 def _segment_table(B: int, n_per: int, P: int, device: torch.device
-                   ) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+                   ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
     """:func:`_segment_table_cached` for the current stream (built afresh during CUDA graph capture)."""
     if device.type != "cuda":
         return _segment_table_cached(B, n_per, P, device, 0)
@@ -862,9 +864,39 @@ def _segment_table(B: int, n_per: int, P: int, device: torch.device
 
 
 @functools.cache
+def _side_streams_of(device: torch.device, caller: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The pipeline's two side streams on a CUDA ``device`` for work queued on the stream with handle ``caller``
+    (each caller stream its own, so that pipelines on different streams never wait for each other): the state
+    scans' and the output kernel's. The scans are
+    the pipeline's critical path, so their stream has a higher priority: the block scheduler then places a scan's
+    programs before waiting blocks of the per-chunk kernels as SMs free up."""
+    return torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)  # -1: above the default 0
+
+
 def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The forward pipeline's two side streams on a CUDA ``device``: the state scan's and the output kernel's."""
-    return torch.cuda.Stream(device), torch.cuda.Stream(device)
+    """:func:`_side_streams_of` the current stream of ``device``."""
+    return _side_streams_of(device, torch.cuda.current_stream(device).cuda_stream)
+
+
+@contextlib.contextmanager
+def _pipeline(device: torch.device, segments: int):
+    """``(caller's stream, side streams)`` of a pipeline of ``segments`` segments on ``device``, ``(None, None)``
+    where nothing runs concurrently (one segment, or not CUDA): the side streams wait for the work queued on the
+    caller's stream on entry, and the caller's stream waits for theirs on exit, also when a launch fails (buffers
+    the side streams read are freed on the caller's stream, and a CUDA graph capture must join every stream it
+    forked)."""
+    if device.type != "cuda" or segments < 2:
+        yield None, None
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_streams(device)
+    for s in side:
+        s.wait_stream(main)
+    try:
+        yield main, side
+    finally:
+        for s in side:
+            main.wait_stream(s)
 
 
 @contextlib.contextmanager
@@ -911,6 +943,19 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device) -> tup
     return mode == "transposed", BK, min(_pow2(V), BV), TUNING["scan_warps"] or (4 if BK <= 128 else 8)
 
 
+def _on_inputs_device(launcher):
+    """Run ``launcher(q, ...)`` with ``q``'s CUDA device current: Triton launches on the current device's current
+    stream, and the pipeline's streams and events belong to ``q``'s device."""
+    @functools.wraps(launcher)
+    def run(q: torch.Tensor, *args, **kwargs):
+        if q.device.type != "cuda":
+            return launcher(q, *args, **kwargs)
+        with torch.cuda.device(q.device):
+            return launcher(q, *args, **kwargs)
+    return run
+
+
+@_on_inputs_device
 def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
@@ -921,8 +966,10 @@ def chunk_fwd(
     ``g_min`` given: ``g`` is the gate pre-activation and the kernel forms ``g_min * sigmoid(g + gate_bias)``
     (``gate_bias`` ``[H * K]`` float32 or None). ``qk_l2norm``: q and k are L2-normalised in the kernel and
     ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty). ``save=False`` (no backward
-    will follow): M, and on the transposed-scan path the states h and Delta, are not written, so only ``o`` and
-    ``ht`` are valid."""
+    will follow): M, and where the scan writes the output (transposed, or ``fwd_plain_out="fused"``) the states h
+    and Delta, are not written, nor G but each chunk's last row when G is formed twice (``wy_g="recomputed"``,
+    ``fwd_prep="fused"``), so only ``o`` and ``ht`` are valid. Launches run on ``q``'s device, on its current
+    stream and, with ``TUNING["fwd_segments"] > 1``, on two side streams joined back before returning."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -945,7 +992,7 @@ def chunk_fwd(
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
-    BKi = min(64, _pow2(K))
+    BKo = min(64, _pow2(K))  # _out_fwd's key step
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
@@ -954,46 +1001,39 @@ def chunk_fwd(
     fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
     recompute_g = TUNING["wy_g"] == "recomputed"
     gmin = g_min if gate else 0.0
+    BKi = min(TUNING["intra_bk"] or 64, _pow2(K))
     BKw, BVw = min(TUNING["wy_bk"] or 64, _pow2(K)), min(TUNING["wy_bv"] or 64, _pow2(V))
-    table, segs = cidx, [(0, NC, 0, 2**31 - 1)]
+    fus = dict(H=H, K=K, C=C, F32=F32, GATE=gate, L2=qk_l2norm)
+    table, segs = cidx, ((0, NC, 0, 2**31 - 1),)
     if cu_seqlens is None and TUNING["fwd_segments"] > 1 and T > C:
         table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["fwd_segments"], q.device)
-    side = _side_streams(q.device) if q.device.type == "cuda" and len(segs) > 1 else None
-    main = torch.cuda.current_stream(q.device) if side else None
-    if side:
-        for s in side:
-            s.wait_stream(main)
-    for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
-        rows = table[r0:r1]
-        if TUNING["fwd_prep"] == "fused":
-            _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, rows, scale, bias, gmin, rnq, rnk,
-                                    H=H, K=K, V=V, C=C, BK=BKw, BV=BVw, F32=F32, GATE=gate, L2=qk_l2norm, SAVE=save,
-                                    num_warps=TUNING["prep_warps"])
-        else:
-            _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, rows, scale, bias, gmin, rnq, rnk, H=H, K=K,
-                                     C=C, BK=min(TUNING["intra_bk"] or 64, _pow2(K)), F32=F32, GATE=gate, L2=qk_l2norm,
-                                     GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"])
-            _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, gmin, H=H, K=K, V=V, C=C, BK=BKw,
-                                  BV=BVw, F32=F32, L2=qk_l2norm, SAVE=save, GATE=gate, RECOMPUTE_G=recompute_g,
-                                  num_warps=TUNING["wy_warps"])
-        # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
-        h0 = initial_state if i == 0 else ht
-        scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)
-        seg_meta = dict(meta, HAS_H0=h0 is not None, STORE_HT=output_final_state or i < len(segs) - 1)
-        with _on(side and side[0], main):
-            if transposed:
-                _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **seg_meta)
+    with _pipeline(q.device, len(segs)) as (main, side):
+        for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
+            rows = table[r0:r1]
+            args = (cu, rows, scale, bias, gmin, rnq, rnk)
+            if TUNING["fwd_prep"] == "fused":
+                _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, *args, V=V, BV=BVw, BK=BKw,
+                                        SAVE=save, num_warps=TUNING["prep_warps"], **fus)
             else:
-                _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fused_out, SAVE=save, **seg_meta)
-        if not (transposed or fused_out):
-            BVo = min(64, _pow2(V))
-            with _on(side and side[1], side and side[0]):
-                _out_fwd[(triton.cdiv(V, BVo), r1 - r0, H)](Qg, Aq, D, h, o, cu, rows, coff, H=H, K=K, V=V, C=C,
-                                                            BK=BKi, BV=BVo, F32=F32, SEGMENT=len(segs) > 1,
-                                                            num_warps=TUNING["out_warps"])
-    if side:
-        for s in side:
-            main.wait_stream(s)
+                _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, *args, BK=BKi,
+                                         GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"], **fus)
+                _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, gmin, V=V, BK=BKw, BV=BVw,
+                                      SAVE=save, RECOMPUTE_G=recompute_g, num_warps=TUNING["wy_warps"], **fus)
+            # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
+            h0 = initial_state if i == 0 else ht
+            scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)
+            seg_meta = dict(meta, HAS_H0=h0 is not None, STORE_HT=output_final_state or i < len(segs) - 1)
+            with _on(side and side[0], main):
+                if transposed:
+                    _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **seg_meta)
+                else:
+                    _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fused_out, SAVE=save, **seg_meta)
+            if not (transposed or fused_out):
+                BVo = min(64, _pow2(V))
+                with _on(side and side[1], side and side[0]):
+                    _out_fwd[(triton.cdiv(V, BVo), r1 - r0, H)](Qg, Aq, D, h, o, cu, rows, coff, H=H, K=K, V=V, C=C,
+                                                                BK=BKo, BV=BVo, F32=F32, SEGMENT=len(segs) > 1,
+                                                                num_warps=TUNING["out_warps"])
     return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
 
 
@@ -1006,6 +1046,7 @@ def _bias(gate_bias: torch.Tensor | None, gate: bool, n: int, device: torch.devi
     return gate_bias.reshape(n).to(torch.float32).contiguous()
 
 
+@_on_inputs_device
 def chunk_bwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, Gc: torch.Tensor,
     Aq: torch.Tensor, Mi: torch.Tensor, W: torch.Tensor, Kd: torch.Tensor, Qg: torch.Tensor, h: torch.Tensor,
@@ -1040,26 +1081,23 @@ def chunk_bwd(
     gate = g_min is not None
     rnq, rnk = Rn if qk_l2norm else (None, None)
     bias = _bias(gate_bias, gate, H * K, q.device)
-    table, segs = cidx, [(0, NC, 0, 2**31 - 1)]
+    table, segs = cidx, ((0, NC, 0, 2**31 - 1),)
     if cu_seqlens is None and TUNING["bwd_segments"] > 1 and T > C:
         table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["bwd_segments"], q.device)
-    side = _side_streams(q.device)[0] if q.device.type == "cuda" and len(segs) > 1 else None
-    main = torch.cuda.current_stream(q.device) if side else None
-    for i, (r0, r1, it_lo, it_hi) in reversed(list(enumerate(segs))):
-        # dS enters segment i < last from dh0, where segment i + 1 left it (float32)
-        last = i == len(segs) - 1
-        dS_in = dht if last else dh0
-        with _on(side, main if last else None):
-            scan[(triton.cdiv(V, BV), N * H)](
-                Qg, Kd, Gc, W, Aq, do, dD, dh, dS_in, dh0, cu, coff, it_lo, it_hi, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
-                HAS_DHT=dS_in is not None, STORE_DH0=need_dh0 or i > 0, F32=F32, num_warps=nw)
-        if side:
-            main.wait_event(side.record_event())
-        _main_bwd[(r1 - r0, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1], scr[2],
-                                s_dq, s_dk, dgs, cu, table[r0:r1], coff, scale, g if gate else None, bias,
-                                g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)),
-                                BV=min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V)), F32=F32,
-                                GATE=gate, L2=qk_l2norm, SEGMENT=len(segs) > 1, num_warps=TUNING["main_bwd_warps"])
-    if side:
-        main.wait_stream(side)
+    BVb = min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V))
+    with _pipeline(q.device, len(segs)) as (main, side):
+        for i, (r0, r1, it_lo, it_hi) in reversed(list(enumerate(segs))):
+            # dS enters segment i < last from dh0, where segment i + 1 left it (float32)
+            dS_in = dht if i == len(segs) - 1 else dh0
+            with _on(side and side[0], None):
+                scan[(triton.cdiv(V, BV), N * H)](
+                    Qg, Kd, Gc, W, Aq, do, dD, dh, dS_in, dh0, cu, coff, it_lo, it_hi, H=H, K=K, V=V, C=C, BK=BK,
+                    BV=BV, HAS_DHT=dS_in is not None, STORE_DH0=need_dh0 or i > 0, F32=F32, num_warps=nw)
+            if side:  # this segment's _main_bwd waits for its scan, and runs beside the next one
+                main.wait_event(side[0].record_event())
+            _main_bwd[(r1 - r0, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1],
+                                    scr[2], s_dq, s_dk, dgs, cu, table[r0:r1], coff, scale, g if gate else None, bias,
+                                    g_min if gate else 0.0, rnq, rnk, H=H, K=K, V=V, C=C, BK=min(64, _pow2(K)), BV=BVb,
+                                    F32=F32, GATE=gate, L2=qk_l2norm, SEGMENT=len(segs) > 1,
+                                    num_warps=TUNING["main_bwd_warps"])
     return dq, dk, dv, dg, dbeta, dh0
