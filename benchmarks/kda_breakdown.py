@@ -74,6 +74,8 @@ SWEEP = {
     "prep fused 2 warps, u work, segments 4": dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32,
                                                    u_dtype="work", fwd_segments=4),
 }
+#: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
+BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
 #: The alternatives of session 8 (pipeline segments, fewer bytes, one-kernel intra + WY) and the 32-wide forward
 #: blocks of session 7, none timed on a GPU yet: 16 entries besides the default, for ~5 shapes in one 10-minute call.
 FORWARD_VARIANTS = ["segments 2", "segments 4", "segments 8", "bwd segments 4", "u work dtype", "wy recomputes g",
@@ -159,9 +161,12 @@ def sweep(shapes, report: dict, variants: list[str] | None = None) -> None:
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 print(f"sweep {label} {(B, T, H, D)}: failed {exc!r}"[:300], flush=True)
                 continue
-            report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(fwd=f, fb=fb, diff=err,
-                                                                                          fwd_kernels=ks)
-            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default {err:.1e}) "
+            # pipeline segments and scan value blocks change no sum: anything but bit-identical results is a bug
+            exact = set(upd) <= BIT_IDENTICAL
+            report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(
+                fwd=f, fb=fb, diff=err, fwd_kernels=ks, wrong=exact and err != 0)
+            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default {err:.1e}"
+                  + (", MUST BE 0: WRONG" if exact and err != 0 else "") + ") "
                   + " ".join(f"{k} {v:.2f}" for k, v in ks.items() if k.startswith("_")), flush=True)
     chunk.TUNING.clear()
     chunk.TUNING.update(defaults)
