@@ -9,8 +9,10 @@ block, warps) with ``triton.testing.do_bench``, each checked against the default
     python benchmarks/kda_breakdown.py --shapes 1x65536x16x128 8x2048x16x128 [--fla] [--sweep] [--json out.json]
     python benchmarks/kda_breakdown.py --sweep --no-breakdown --variants forward --shapes ...   # FORWARD_VARIANTS
 
-With pipeline segments (``fwd_segments``, ``bwd_segments``) kernels of several streams overlap: their summed
-kernel times then exceed the call's time, which is what ``fwd`` and ``f+b`` report.
+``fwd`` and ``f+b`` are the call's time (``fwd`` without gradients, as inference runs); the per-kernel times after
+them add up over streams and exceed it when pipeline segments (``fwd_segments``, ``bwd_segments``) overlap kernels.
+Each sweep line is printed as it is timed and ``--json`` is rewritten after each shape, so a run cut short by a
+time limit keeps what it measured: split the shapes over several calls as the limit needs.
 
 ``--fla-compile-worker I/P`` fills ``TRITON_CACHE_DIR`` with fla's compiled candidates for these shapes (see
 benchmarks/kda.py and benchmarks/triton_warm.py); run P of them before the timing process.
@@ -73,15 +75,19 @@ SWEEP = {
     "prep fused 4 warps bk32": dict(fwd_prep="fused", prep_warps=4, wy_bk=32, wy_bv=32),
     "prep fused 2 warps, u work, segments 4": dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32,
                                                    u_dtype="work", fwd_segments=4),
+    "inference chunk 64": dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32),
+    "inference chunk 64, fwd bv16": dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32, fwd_bv=16),
+    "inference chunk 64, segments 4": dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32, fwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
-#: The alternatives of session 8 (pipeline segments, fewer bytes, one-kernel intra + WY) and the 32-wide forward
-#: blocks of session 7, none timed on a GPU yet: 16 entries besides the default, for ~5 shapes in one 10-minute call.
-FORWARD_VARIANTS = ["segments 2", "segments 4", "segments 8", "bwd segments 4", "u work dtype", "wy recomputes g",
-                    "fwd bytes cut, segments 4", "fwd plain fused out", "fwd transposed bv16", "fwd transposed bv32",
-                    "prep fused 1 warp bk32", "prep fused 2 warps bk32", "prep fused 4 warps bk32",
-                    "prep fused 2 warps, u work, segments 4", "intra bk32 4 warps", "wy bk32 bv32 2 warps"]
+#: The alternatives of session 8 (pipeline segments, fewer bytes, one-kernel intra + WY, 64-token inference chunks)
+#: and the 32-wide forward blocks of session 7, none timed on a GPU yet.
+FORWARD_VARIANTS = ["segments 4", "segments 8", "bwd segments 4", "u work dtype", "wy recomputes g",
+                    "fwd bytes cut, segments 4", "fwd plain fused out", "fwd transposed bv16", "prep fused 1 warp bk32",
+                    "prep fused 2 warps bk32", "prep fused 4 warps bk32", "prep fused 2 warps, u work, segments 4",
+                    "inference chunk 64", "inference chunk 64, fwd bv16", "inference chunk 64, segments 4",
+                    "intra bk32 4 warps", "wy bk32 bv32 2 warps"]
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -130,7 +136,7 @@ def breakdown(name: str, fn, shp, report: dict) -> None:
               + ", ".join(f"{k} {v:.3f}" for k, v in list(ks.items())[:8]), flush=True)
 
 
-def sweep(shapes, report: dict, variants: list[str] | None = None) -> None:
+def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: str | None = None) -> None:
     defaults = dict(chunk.TUNING)
     unknown = set(variants or ()) - set(SWEEP)
     if unknown:
@@ -147,10 +153,12 @@ def sweep(shapes, report: dict, variants: list[str] | None = None) -> None:
             try:
                 o, _ = ours(*xs)
                 grads = torch.autograd.grad(o, xs, do)
-                got = [o, *grads]
+                with torch.no_grad():  # the forward that the fwd column times (no saves; 64-token chunks)
+                    got = [o, *grads, ours(*xs)[0]]
                 if ref is None:
                     ref = got
-                err = max(rel_rms(a, b) for a, b in zip(got, ref))
+                err = max(rel_rms(a, b) for a, b in zip(got[:-1], ref[:-1]))
+                err_fwd = rel_rms(got[-1], ref[-1])
                 with torch.no_grad():
                     f = bench(lambda xs=xs: ours(*xs))
                 fb = bench(lambda xs=xs, do=do: ours(*xs)[0].backward(do))
@@ -161,13 +169,16 @@ def sweep(shapes, report: dict, variants: list[str] | None = None) -> None:
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 print(f"sweep {label} {(B, T, H, D)}: failed {exc!r}"[:300], flush=True)
                 continue
-            # pipeline segments and scan value blocks change no sum: anything but bit-identical results is a bug
-            exact = set(upd) <= BIT_IDENTICAL
+            # pipeline segments change no sum: anything but bit-identical results is a bug
+            wrong = set(upd) <= BIT_IDENTICAL and (err != 0 or err_fwd != 0)
             report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(
-                fwd=f, fb=fb, diff=err, fwd_kernels=ks, wrong=exact and err != 0)
-            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default {err:.1e}"
-                  + (", MUST BE 0: WRONG" if exact and err != 0 else "") + ") "
+                fwd=f, fb=fb, diff=err, diff_fwd=err_fwd, fwd_kernels=ks, wrong=wrong)
+            print(f"sweep {(B, T, H, D)} {label:22s} fwd {f:.3f} f+b {fb:.3f} ms  (vs default: o and gradients "
+                  f"{err:.1e}, o without gradients {err_fwd:.1e}{', MUST BE 0: WRONG' if wrong else ''}) "
                   + " ".join(f"{k} {v:.2f}" for k, v in ks.items() if k.startswith("_")), flush=True)
+        if json_path:
+            with open(json_path, "w") as fh:
+                json.dump(report, fh, indent=1)
     chunk.TUNING.clear()
     chunk.TUNING.update(defaults)
 
@@ -202,7 +213,7 @@ def main() -> None:
             if fla is not None:
                 breakdown("fla", fla, shp, report)
     if a.sweep:
-        sweep(a.shapes, report, FORWARD_VARIANTS if a.variants == ["forward"] else a.variants)
+        sweep(a.shapes, report, FORWARD_VARIANTS if a.variants == ["forward"] else a.variants, a.json)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -39,17 +39,19 @@ META = torch.device("meta")
 
 
 def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16,
-         scans_only: bool = False, only: tuple[str, ...] = (), tuning: dict | None = None) -> list[aot.Launch]:
+         scans_only: bool = False, only: tuple[str, ...] = (), tuning: dict | None = None,
+         inference64: bool = False) -> list[aot.Launch]:
     """The chunked KDA launches at one shape (which scan kernels run depends on it: ``chunk._scan_plan``) and the
     one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
-    ``tuning``: with these ``chunk.TUNING`` settings."""
+    ``tuning``: with these ``chunk.TUNING`` settings; ``inference64``: the forward without saves in 64-token chunks
+    of two 32-row halves."""
     from k3lit.kernels.kda import chunk, fused_recurrent
 
     if tuning:
         saved = dict(chunk.TUNING)
         chunk.TUNING.update(tuning)
         try:
-            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only)
+            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only, None, inference64)
         finally:
             chunk.TUNING.clear()
             chunk.TUNING.update(saved)
@@ -61,8 +63,12 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     beta = torch.empty(B, T, H, **bf)
     bias = torch.empty(H * K, device=META) if gate else None
     fusion = (bias, -5.0 if gate else None, l2)
-    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t",
-             "_main_bwd")
+    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_prep64_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd",
+             "_scan_bwd_t", "_main_bwd")
+    if inference64:
+        with aot.record_launches(chunk, *names) as launches:
+            chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 64, *fusion, save=False, sub_chunk=32)
+        return list({x.name: x for x in reversed(launches) if not only or x.name in only}.values())[::-1]
     with aot.record_launches(chunk, *names) as launches:
         o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
                                                                *fusion)
@@ -139,6 +145,8 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, gate + L2 fused, intra and wy in one kernel (2 warps, 32-wide steps)": _kda(
             4, 4096, 16, 128, 128, True, True, only=("_prep_fwd",),
             tuning=dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32)),
+        "KDA K=V=128, 64-token inference chunks (4 warps, 32-wide steps)": _kda(
+            4, 4096, 16, 128, 128, False, False, tuning=dict(prep_warps=4, wy_bk=32, wy_bv=32), inference64=True),
         "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,
                                                only=("_out_fwd", "_main_bwd"),
                                                tuning=dict(fwd_segments=4, bwd_segments=4, fwd_scan="plain")),

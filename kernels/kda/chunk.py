@@ -303,6 +303,124 @@ def _prep_fwd(
               GATE, True)
 
 
+@triton.jit(do_not_specialize_on_alignment=["cidx"])
+def _prep64_fwd(
+    k, q, v, g, beta, Gc, Aq, Kd, Qg, W, U, cu, cidx, scale, bias, g_min,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
+    GATE: tl.constexpr, L2: tl.constexpr,
+):
+    """Per (64-token chunk, head), without a backward to follow: what :func:`_prep_fwd` forms for the scans (G's
+    last row, Aq, Kd, Qg, W, U), for a chunk of two 32-row halves a (rows 0-31) and b (32-63) at a g_min for
+    which only 32 rows are safe to rebase on one middle row (``TUNING["inference_chunk"] = 64``).
+
+    G is the cumulative sum from the chunk's first row, so Kd, Qg and K⊙exp(G) are those of a 64-token chunk.
+    The diagonal blocks of A and Aq are each half's own, rebased on its row 15 (exponents <= |g_min| * 16 <= 88);
+    the b-rows x a-columns block is K_b⊙exp(G_b - G_a31) · (K_a⊙exp(G_a31 - G_a))^T, rebased on a's last row,
+    where both factors are decays <= 1 (a factor that underflows belongs to a product below exp(-87)). The
+    inverse of I + L, L = Diag(beta) A block lower triangular: M_a, M_b by forward substitution (both in one
+    loop), M_ba = -M_b L_ba M_a (3xTF32); then W = M Diag(beta) K⊙exp(G) and U = M Diag(beta) V blockwise,
+    W_b = M_b β_b Kg_b + M_ba β_a Kg_a. Half the scan steps of 32-token chunks, and half the per-chunk states."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, 64)
+    rows = tl.arange(0, 32)
+    ma, mb = rows < n_valid, rows + 32 < n_valid
+    ta, tb = t0 + rows, t0 + 32 + rows
+    if L2:
+        rqa, rqb = _rnorm(q, ta, i_h, ma, H, K, 32, BK), _rnorm(q, tb, i_h, mb, H, K, 32, BK)
+        rka, rkb = _rnorm(k, ta, i_h, ma, H, K, 32, BK), _rnorm(k, tb, i_h, mb, H, K, 32, BK)
+    A_aa = tl.zeros([32, 32], dtype=tl.float32)
+    A_bb = tl.zeros([32, 32], dtype=tl.float32)
+    A_ba = tl.zeros([32, 32], dtype=tl.float32)
+    Q_aa = tl.zeros([32, 32], dtype=tl.float32)
+    Q_bb = tl.zeros([32, 32], dtype=tl.float32)
+    Q_ba = tl.zeros([32, 32], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk_a, msk_b = ma[:, None] & (cols < K)[None, :], mb[:, None] & (cols < K)[None, :]
+        off_a = ta[:, None] * (H * K) + i_h * K + cols[None, :]
+        off_b = tb[:, None] * (H * K) + i_h * K + cols[None, :]
+        G_a = tl.cumsum(_log_decay(g, bias, off_a, msk_a, i_h, cols, g_min, K, GATE), axis=0)
+        G_a31 = _row(G_a, rows, 31)  # masked rows add 0: a's last valid row
+        G_b = tl.cumsum(_log_decay(g, bias, off_b, msk_b, i_h, cols, g_min, K, GATE), axis=0) + G_a31[None, :]
+        G_last = _row(G_b, rows, 31)
+        tl.store(Gc + off_a, G_a, mask=msk_a & (rows == n_valid - 1)[:, None])  # the scans' G_last
+        tl.store(Gc + off_b, G_b, mask=msk_b & (rows + 32 == n_valid - 1)[:, None])
+        k_a = tl.load(k + off_a, mask=msk_a, other=0.0).to(tl.float32)
+        k_b = tl.load(k + off_b, mask=msk_b, other=0.0).to(tl.float32)
+        q_a = tl.load(q + off_a, mask=msk_a, other=0.0).to(tl.float32)
+        q_b = tl.load(q + off_b, mask=msk_b, other=0.0).to(tl.float32)
+        if L2:
+            k_a, k_b, q_a, q_b = k_a * rka[:, None], k_b * rkb[:, None], q_a * rqa[:, None], q_b * rqb[:, None]
+        tl.store(Kd + off_a, (k_a * tl.exp(G_last[None, :] - G_a)).to(Kd.dtype.element_ty), mask=msk_a)
+        tl.store(Kd + off_b, (k_b * tl.exp(G_last[None, :] - G_b)).to(Kd.dtype.element_ty), mask=msk_b)
+        tl.store(Qg + off_a, (q_a * tl.exp(G_a) * scale).to(Qg.dtype.element_ty), mask=msk_a)
+        tl.store(Qg + off_b, (q_b * tl.exp(G_b) * scale).to(Qg.dtype.element_ty), mask=msk_b)
+        r_a, r_b = _row(G_a, rows, 15), _row(G_b, rows, 15)
+        ka_dn, kb_dn = k_a * tl.exp(r_a[None, :] - G_a), k_b * tl.exp(r_b[None, :] - G_b)
+        up_a, up_b = tl.exp(G_a - r_a[None, :]), tl.exp(G_b - r_b[None, :])
+        A_aa += _dot(_op(k_a * up_a, F32), tl.trans(_op(ka_dn, F32)), F32)
+        A_bb += _dot(_op(k_b * up_b, F32), tl.trans(_op(kb_dn, F32)), F32)
+        Q_aa += _dot_aq(_tf32(q_a * up_a, F32), tl.trans(_tf32(ka_dn, F32)), F32)
+        Q_bb += _dot_aq(_tf32(q_b * up_b, F32), tl.trans(_tf32(kb_dn, F32)), F32)
+        up_ba = tl.exp(G_b - G_a31[None, :])  # <= 1
+        ka_ab = k_a * tl.exp(G_a31[None, :] - G_a)  # <= |k|
+        A_ba += _dot(_op(k_b * up_ba, F32), tl.trans(_op(ka_ab, F32)), F32)
+        Q_ba += _dot_aq(_tf32(q_b * up_ba, F32), tl.trans(_tf32(ka_ab, F32)), F32)
+    lower = rows[:, None] > rows[None, :]
+    b_a = tl.load(beta + ta * H + i_h, mask=ma, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + tb * H + i_h, mask=mb, other=0.0).to(tl.float32)
+    # entries above a diagonal block's diagonal may be inf/nan; where selects
+    L_a = tl.where(lower, A_aa, 0.0) * b_a[:, None]
+    L_b = tl.where(lower, A_bb, 0.0) * b_b[:, None]
+    L_ba = A_ba * b_b[:, None]
+    oa = ta[:, None] * (H * 64) + i_h * 64 + rows[None, :]  # [T, H, 64]: columns 0-31 of a's rows
+    ob = tb[:, None] * (H * 64) + i_h * 64 + rows[None, :]
+    tl.store(Aq + oa, _tf32(tl.where(lower | (rows[:, None] == rows[None, :]), Q_aa, 0.0) * scale, F32),
+             mask=ma[:, None])
+    tl.store(Aq + oa + 32, tl.zeros([32, 32], dtype=tl.float32), mask=ma[:, None])
+    tl.store(Aq + ob, _tf32(Q_ba * scale, F32), mask=mb[:, None])
+    tl.store(Aq + ob + 32, _tf32(tl.where(lower | (rows[:, None] == rows[None, :]), Q_bb, 0.0) * scale, F32),
+             mask=mb[:, None])
+    X_a = (rows[:, None] == rows[None, :]).to(tl.float32)
+    X_b = X_a
+    for i in range(1, 32):
+        la, lb = _row(L_a, rows, i), _row(L_b, rows, i)
+        xa = tl.where(rows == i, 1.0, -tl.sum(la[:, None] * X_a, axis=0))
+        xb = tl.where(rows == i, 1.0, -tl.sum(lb[:, None] * X_b, axis=0))
+        X_a = tl.where((rows == i)[:, None], xa[None, :], X_a)
+        X_b = tl.where((rows == i)[:, None], xb[None, :], X_b)
+    X_ba = -_dot(_dot(X_b, L_ba, True), X_a, True)
+    Xa = _op(X_a * b_a[None, :], F32)
+    Xb = _op(X_b * b_b[None, :], F32)
+    Xba = _op(X_ba * b_a[None, :], F32)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk_a, msk_b = ma[:, None] & (cols < K)[None, :], mb[:, None] & (cols < K)[None, :]
+        off_a = ta[:, None] * (H * K) + i_h * K + cols[None, :]
+        off_b = tb[:, None] * (H * K) + i_h * K + cols[None, :]
+        G_a = tl.cumsum(_log_decay(g, bias, off_a, msk_a, i_h, cols, g_min, K, GATE), axis=0)
+        G_b = tl.cumsum(_log_decay(g, bias, off_b, msk_b, i_h, cols, g_min, K, GATE), axis=0) + _row(G_a, rows,
+                                                                                                      31)[None, :]
+        k_a = tl.load(k + off_a, mask=msk_a, other=0.0).to(tl.float32)
+        k_b = tl.load(k + off_b, mask=msk_b, other=0.0).to(tl.float32)
+        if L2:
+            k_a, k_b = k_a * rka[:, None], k_b * rkb[:, None]
+        kg_a = _op(k_a * tl.exp(G_a), F32)
+        w_a = _dot(Xa, kg_a, F32)
+        w_b = _dot(Xb, _op(k_b * tl.exp(G_b), F32), F32) + _dot(Xba, kg_a, F32)
+        tl.store(W + off_a, w_a.to(W.dtype.element_ty), mask=msk_a)
+        tl.store(W + off_b, w_b.to(W.dtype.element_ty), mask=msk_b)
+    for vb in range(0, V, BV):
+        cols = vb + tl.arange(0, BV)
+        msk_a, msk_b = ma[:, None] & (cols < V)[None, :], mb[:, None] & (cols < V)[None, :]
+        off_a = ta[:, None] * (H * V) + i_h * V + cols[None, :]
+        off_b = tb[:, None] * (H * V) + i_h * V + cols[None, :]
+        v_a = _op(tl.load(v + off_a, mask=msk_a, other=0.0), F32)
+        v_b = _op(tl.load(v + off_b, mask=msk_b, other=0.0), F32)
+        tl.store(U + off_a, _dot(Xa, v_a, F32).to(U.dtype.element_ty), mask=msk_a)
+        tl.store(U + off_b, (_dot(Xb, v_b, F32) + _dot(Xba, v_a, F32)).to(U.dtype.element_ty), mask=msk_b)
+
+
 @triton.jit
 def _scan_seq(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr):
@@ -819,6 +937,10 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: differ from "stored" by float32 rounding; :func:`_prep_fwd` forms G twice the same way.
 #: ``fwd_prep``: ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`; ``"fused"`` runs both in :func:`_prep_fwd`
 #: on ``prep_warps`` warps (key / value steps of ``wy_bk`` / ``wy_bv``).
+#: ``inference_chunk``: 64 runs a forward without a backward to follow (inference, evaluation) in 64-token chunks of
+#: two 32-row halves (:func:`_prep64_fwd`, on ``prep_warps`` warps in ``wy_bk`` / ``wy_bv`` steps) where g_min allows
+#: only 32-token chunks (the default -5) and K, V <= 128: half the scans' sequential steps and per-chunk states. The
+#: backward kernels stay at 32.
 #: ``fwd_segments``: pipeline segments of the forward over a dense batch (1: none). Segment s covers the same range
 #: of chunks of every sequence; on CUDA its state scan (and output kernel) runs on side streams as soon as its
 #: per-chunk kernels are done, concurrently with the next segment's, so the latency-bound scan no longer waits for
@@ -830,7 +952,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments=1, bwd_segments=1, fwd_plain_out="separate", u_dtype="float32",
-                    wy_g="stored", fwd_prep="split", prep_warps=1)
+                    wy_g="stored", fwd_prep="split", prep_warps=1, inference_chunk=32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -960,6 +1082,7 @@ def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
     gate_bias: torch.Tensor | None = None, g_min: float | None = None, qk_l2norm: bool = False, save: bool = True,
+    sub_chunk: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``.
 
@@ -967,9 +1090,18 @@ def chunk_fwd(
     (``gate_bias`` ``[H * K]`` float32 or None). ``qk_l2norm``: q and k are L2-normalised in the kernel and
     ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty). ``save=False`` (no backward
     will follow): M, and where the scan writes the output (transposed, or ``fwd_plain_out="fused"``) the states h
-    and Delta, are not written, nor G but each chunk's last row when G is formed twice (``wy_g="recomputed"``,
-    ``fwd_prep="fused"``), so only ``o`` and ``ht`` are valid. Launches run on ``q``'s device, on its current
-    stream and, with ``TUNING["fwd_segments"] > 1``, on two side streams joined back before returning."""
+    and Delta, are not written, and, when G is formed twice (``wy_g="recomputed"``, ``fwd_prep="fused"``), G only at
+    each chunk's last row, so only ``o`` and ``ht`` are valid. ``sub_chunk=32`` (with ``C = 64`` and not
+    ``save``): chunks of 64 tokens made of two 32-row halves, each rebased on its own middle row
+    (:func:`_prep64_fwd`), for a g_min at which only 32 rows are safe to rebase as one. Launches run on ``q``'s
+    device, on its current stream and, with ``TUNING["fwd_segments"] > 1``, on two side streams joined back before
+    returning.
+
+    Raises:
+        ValueError: ``sub_chunk`` other than 0 or 32, or 32 with ``C != 64`` or with ``save``.
+    """
+    if sub_chunk not in (0, 32) or (sub_chunk and (C != 64 or save)):
+        raise ValueError(f"sub_chunk must be 0, or 32 with C = 64 and save=False; got {sub_chunk}, C={C}, save={save}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1011,7 +1143,10 @@ def chunk_fwd(
         for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
             rows = table[r0:r1]
             args = (cu, rows, scale, bias, gmin, rnq, rnk)
-            if TUNING["fwd_prep"] == "fused":
+            if sub_chunk:
+                _prep64_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Kd, Qg, W, U, *args[:5], H=H, K=K, V=V, BK=BKw,
+                                          BV=BVw, F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["prep_warps"])
+            elif TUNING["fwd_prep"] == "fused":
                 _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, *args, V=V, BV=BVw, BK=BKw,
                                         SAVE=save, num_warps=TUNING["prep_warps"], **fus)
             else:

@@ -224,6 +224,51 @@ def test_forward_forming_g_twice(seed, monkeypatch, variant, fused):
     assert written.nonzero().flatten().tolist() == last
 
 
+@pytest.mark.parametrize("case", ["dense", "varlen", "gate min", "gate zero", "fused"])
+def test_inference_in_64_token_chunks(seed, scan_layout, monkeypatch, case):
+    """``TUNING["inference_chunk"] = 64``: without a backward, chunks of 64 tokens made of two 32-row halves
+    (``_prep64_fwd``; the scans and output kernel at C = 64), against the float64 reference: T with a last chunk
+    above and below 32 rows (100, 150), varlen with lengths 1, 32, 33, 64, 65, the gate pinned at g_min (exponents
+    at their bound in both halves) and at 0 (no decay: the coupling of the halves at full strength), the fused gate
+    and L2 norm. With a backward to follow, C stays 32."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    monkeypatch.setitem(chunk.TUNING, "inference_chunk", 64)
+    cs = []
+    launch = chunk._prep64_fwd
+
+    class Spy:
+        def __getitem__(self, grid, cs=cs, launch=launch):
+            cs.append(grid)
+            return launch[grid]
+
+    monkeypatch.setattr(chunk, "_prep64_fwd", Spy())
+    cu, kw = None, {}
+    if case == "varlen":
+        lens = [1, 32, 33, 64, 65]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV)
+        q, k, v, g, beta, h0 = make_inputs(1, sum(lens), 2, 24, 16, N=len(lens))
+    else:
+        q, k, v, g, beta, h0 = make_inputs(2, 150 if case == "dense" else 100, 2, 24, 16,
+                                           gate={"gate min": "min", "gate zero": "zero"}.get(case, "random"))
+    ref_q, ref_k, ref_g = q.double(), k.double(), g.double()
+    if case == "fused":
+        q, k = q * 3, k * 0.5  # unnormalised: the kernel normalises
+        e, bias = torch.randn_like(g) * 2, torch.randn(2 * 24, device=DEV)
+        kw = dict(use_gate_in_kernel=True, gate_bias=bias, use_qk_l2norm_in_kernel=True)
+        ref_q, ref_k = F.normalize(q.double(), dim=-1), F.normalize(k.double(), dim=-1)
+        ref_g = -5.0 * torch.sigmoid(e.double() + bias.double().view(2, 24))
+        g = e
+    with torch.no_grad():
+        o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu, **kw)
+    assert cs, "the 64-token chunks were not used"
+    o_r, ht_r = kda_reference(ref_q, ref_k, v.double(), ref_g, beta.double(), None, h0.double(), True, cu)
+    assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
+    cs.clear()
+    kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
+    assert not cs  # a backward can follow: 32-token chunks
+
+
 @pytest.mark.parametrize("save", [True, False])
 def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout, save):
     """``chunk_fwd(save=False)`` leaves M unwritten (Mi keeps L, zero on the diagonal, where M has ones) and, on the
@@ -689,6 +734,24 @@ def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
         assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})
     else:
         assert_errors(run_both(make_inputs(1, 1000, 2, D, D, dtype=torch.bfloat16, device="cuda")), TOL_BF16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("gate", ["random", "zero"])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_gpu_inference_in_64_token_chunks(seed, scan_layout, monkeypatch, gate, segments):
+    """``TUNING["inference_chunk"] = 64`` (as ``kda_breakdown.py``'s sweep runs it), bf16, with and without pipeline
+    segments, a last chunk of 40 rows: o and the final state within docs/MATH.md's tolerances."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    for key, value in dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32, fwd_segments=segments).items():
+        monkeypatch.setitem(chunk.TUNING, key, value)
+    q, k, v, g, beta, h0 = make_inputs(2, 1000, 4, 128, 128, dtype=torch.bfloat16, gate=gate, device="cuda")
+    with torch.no_grad():
+        o, ht = kda_triton(q, k, v, g, beta, None, h0, True)
+    o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(), True)
+    assert_errors({"o": rel_rms(o, o_r), "ht": rel_rms(ht, ht_r)}, TOL_BF16)
 
 
 def test_benchmark_input_variants_agree(seed):

@@ -38,6 +38,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("KDA K=V=128, gate + L2 fused, wy_g recomputed, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
     expected |= {("KDA K=V=128, gate + L2 fused, intra and wy in one kernel (2 warps, 32-wide steps)", "_prep_fwd")}
+    expected |= {("KDA K=V=128, 64-token inference chunks (4 warps, 32-wide steps)", n)
+                 for n in ("_prep64_fwd", "_scan_fwd_t")}
     expected |= {("KDA K=V=128, pipeline segments", n) for n in ("_out_fwd", "_main_bwd")}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
