@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU measurements behind benchmarks/RESULTS.md, in the order that keeps the GPU free for every timing: the
 # GPU tests and fla's compile workers first (they share the GPU, but time nothing), then each benchmark alone. Each
-# benchmark writes its own RESULTS.md section; logs go to $LOGS. The steps together took about 9-10 minutes on one
-# H200 when run one by one in sessions 4-5 (the sweep has grown since); a device call allows 10, so name the steps
-# to run in each call:
+# benchmark writes its own RESULTS.md section; logs go to $LOGS. The steps other than the sweep took about 9-10
+# minutes on one H200 when run one by one in sessions 4-5, and the sweep has not run at its present size; a device
+# call allows 10 minutes, so name the steps to run in each call (and write the logs where the call returns files):
 #
 #   bash benchmarks/gpu_suite.sh                      # every step, from the repository root (k3lit, fla importable)
-#   bash benchmarks/gpu_suite.sh tests sweep          # only these steps
-#   LOGS=/tmp/k3lit-gpu bash benchmarks/gpu_suite.sh kda fused
+#   bash benchmarks/gpu_suite.sh tests                # only these steps
+#   LOGS=$OUT/gpu TRITON_CACHE_DIR=/tmp/tc bash benchmarks/gpu_suite.sh kda fused
 #
 # Steps: tests (GPU tests of kernels, model, nn), kda (section "KDA kernels", with fla; starts six fla compile
 # workers beside the tests, twelve ran a 140 GB H200 out of memory), fused ("KDA with fused gate and q/k L2 norm"),
 # sweep (the forward alternatives of chunk.TUNING not yet timed on a GPU, kda_breakdown.FORWARD_VARIANTS: pipeline
-# segments, fewer bytes, one-kernel intra + WY, 32-wide forward blocks; to $LOGS/kda_sweep.json), attnres
+# segments, fewer bytes, one-kernel intra + WY, 64-token inference chunks, 32-wide forward blocks; to
+# $LOGS/kda_sweep.json, rewritten after each shape; $LOGS/kda_sweep.log has each line as it is timed), attnres
 # ("Attention residuals × checkpointing (<GPU>, 300m, batch 8)"), mix ("Attention residuals: depth-mix kernel
 # (<GPU>)"), throughput ($LOGS/throughput_small.json; write its section with `python benchmarks/throughput.py
 # --from_json ...`).

@@ -40,18 +40,19 @@ META = torch.device("meta")
 
 def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16,
          scans_only: bool = False, only: tuple[str, ...] = (), tuning: dict | None = None,
-         inference64: bool = False) -> list[aot.Launch]:
+         inference64: bool = False, save: bool = True) -> list[aot.Launch]:
     """The chunked KDA launches at one shape (which scan kernels run depends on it: ``chunk._scan_plan``) and the
     one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
     ``tuning``: with these ``chunk.TUNING`` settings; ``inference64``: the forward without saves in 64-token chunks
-    of two 32-row halves."""
+    of two 32-row halves; ``save=False``: the forward without a backward to follow (the backward's launches are
+    still recorded, on what it would read)."""
     from k3lit.kernels.kda import chunk, fused_recurrent
 
     if tuning:
         saved = dict(chunk.TUNING)
         chunk.TUNING.update(tuning)
         try:
-            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only, None, inference64)
+            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only, None, inference64, save)
         finally:
             chunk.TUNING.clear()
             chunk.TUNING.update(saved)
@@ -71,7 +72,7 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
         return list({x.name: x for x in reversed(launches) if not only or x.name in only}.values())[::-1]
     with aot.record_launches(chunk, *names) as launches:
         o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
-                                                               *fusion)
+                                                               *fusion, save=save)
         chunk.chunk_bwd(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, torch.empty_like(o), None, False,
                         K**-0.5, None, 32, *fusion)
     if scans_only:
@@ -137,14 +138,14 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)": _kda(1, 65536, 16, 128, 128, False, False,
                                                                           scans_only=True),
         "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
-        "KDA K=V=128, gate + L2 fused, wy_g recomputed, u_dtype work": _kda(
-            4, 4096, 16, 128, 128, True, True, only=("_intra_fwd", "_wy_fwd"),
-            tuning=dict(wy_g="recomputed", u_dtype="work")),
+        "KDA K=V=128, no backward, wy_g recomputed, u_dtype work": _kda(
+            4, 4096, 16, 128, 128, False, False, only=("_intra_fwd", "_wy_fwd"),
+            tuning=dict(wy_g="recomputed", u_dtype="work"), save=False),
         "KDA K=V=256, plain scan writing the output": _kda(1, 8192, 32, 256, 256, False, False, only=("_scan_fwd",),
                                                            tuning=dict(fwd_plain_out="fused")),
-        "KDA K=V=128, gate + L2 fused, intra and wy in one kernel (2 warps, 32-wide steps)": _kda(
-            4, 4096, 16, 128, 128, True, True, only=("_prep_fwd",),
-            tuning=dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32)),
+        "KDA K=V=128, no backward, intra and wy in one kernel (2 warps, 32-wide steps)": _kda(
+            4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",),
+            tuning=dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32), save=False),
         "KDA K=V=128, 64-token inference chunks (4 warps, 32-wide steps)": _kda(
             4, 4096, 16, 128, 128, False, False, tuning=dict(prep_warps=4, wy_bk=32, wy_bv=32), inference64=True),
         "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,

@@ -929,14 +929,15 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``u_dtype``: the dtype U = M Diag(beta) V is stored in between :func:`_wy_fwd` and the forward scan: ``"float32"``,
 #: or ``"work"`` (bf16 for bf16 and fp16 inputs), which halves U's traffic (1 KB of the ~5.9 KB per token and head
 #: that the forward moves at K = V = 128, by the kernels' loads and stores); ``benchmarks/kda_rounding.py --also U``
-#: puts its cost at +3% on o's error and none on the final state's.
+#: (a float64 emulation on the CPU, K = V = 64) puts its cost at +3% on o's error and none on the final state's.
 #: ``wy_g``: ``"stored"``: :func:`_wy_fwd` reads the G that :func:`_intra_fwd` stored; ``"recomputed"``: it forms G
 #: again from g (the same bytes, or half with the fused gate's bf16 e), and without a backward to follow
 #: :func:`_intra_fwd` writes only each chunk's last row of G (the scans' G_last): 0.5 KB per token and head less
 #: at K = 128. The two kernels' cumulative sums may associate differently (other warps and steps), so W may
 #: differ from "stored" by float32 rounding; :func:`_prep_fwd` forms G twice the same way.
 #: ``fwd_prep``: ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`; ``"fused"`` runs both in :func:`_prep_fwd`
-#: on ``prep_warps`` warps (key / value steps of ``wy_bk`` / ``wy_bv``).
+#: on ``prep_warps`` warps in key / value steps of ``wy_bk`` / ``wy_bv`` (spill-free offline at 2 warps and 32-wide
+#: steps; the defaults, 1 warp and 64-wide, spill).
 #: ``inference_chunk``: 64 runs a forward without a backward to follow (inference, evaluation) in 64-token chunks of
 #: two 32-row halves (:func:`_prep64_fwd`, on ``prep_warps`` warps in ``wy_bk`` / ``wy_bv`` steps) where g_min allows
 #: only 32-token chunks (the default -5) and K, V <= 128: half the scans' sequential steps and per-chunk states. The
