@@ -130,6 +130,16 @@ def _chunk_bounds(cu, cidx, i_c, C: tl.constexpr):
 
 
 @triton.jit
+def _chunk_program(cu, cidx, C: tl.constexpr):
+    """A per-(chunk, head) program's chunk (row ``program_id(0)`` of the table ``cidx``) and head: ``(i_h, t0,
+    n_valid, rows, m_t, tok)``, the chunk's first token, valid rows, row indices ``[C]``, their mask and tokens."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
+    rows = tl.arange(0, C)
+    return i_h, t0, n_valid, rows, rows < n_valid, t0 + rows
+
+
+@triton.jit
 def _global_chunk(coff, cidx, i_c, i_n, SEGMENT: tl.constexpr):
     """Global (int64) index of row ``i_c`` of a chunk table, chunk of sequence ``i_n``: where its per-chunk states
     are stored. ``i_c`` itself in the table :func:`chunk_meta` builds; looked up in a pipeline segment's
@@ -244,11 +254,7 @@ def _intra_fwd(
     reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. L goes to
     ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U. G goes to ``Gc``: every row
     with ``GC_ALL``, else only the chunk's last (the scans' G_last; :func:`_wy_fwd` then forms G itself)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
-    tok = t0 + rows
+    i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L, _ = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
                         tok, H, K, C, BK, F32, GATE, L2, GC_ALL)
     tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), L, mask=m_t[:, None])  # _wy_fwd replaces L by M
@@ -268,11 +274,7 @@ def _wy_fwd(
     steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
     warps (no shared-memory exchange and no barrier per step): on the H200 this kernel plus an inverse-free
     :func:`_intra_fwd` took 0.6x the time of one kernel doing both with four warps (benchmarks/kda_breakdown.py)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
-    tok = t0 + rows
+    i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L = tl.load(Mi + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
     if L2:
         r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
@@ -292,11 +294,7 @@ def _prep_fwd(
     L stays in registers, G is formed twice from g instead of stored and read back (stored only for the backward,
     ``SAVE``; else only each chunk's last row, for the scans), and the second pass's k and g reads come from the
     cache rather than DRAM: ~1.5 KB less traffic per token and head at K = V = 128."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    rows = tl.arange(0, C)
-    m_t = rows < n_valid
-    tok = t0 + rows
+    i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L, r_k = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
                           tok, H, K, C, BK, F32, GATE, L2, SAVE)
     _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
