@@ -85,7 +85,10 @@ def assert_errors(err, tol):
 @pytest.mark.parametrize(
     "B,T,H,K,V",
     [
-        (1, 1, 1, 16, 16),  # T = 1
+        # T = 1. Two sequences and heads: with one, dbeta is a single sum of O(1) terms that can cancel to ~1e-3
+        # (seed 241671548: -1.76e-3), where float32's absolute error of ~5e-7 is a relative 3e-4; over four values
+        # the relative RMS error is set by the largest
+        (2, 1, 2, 16, 16),
         (2, 20, 2, 24, 20),  # T below the chunk, K and V not powers of two
         (1, 70, 1, 16, 32),  # T not a multiple of the chunk, three chunks
         (1, 33, 1, 80, 72),  # K, V above one 64-wide block: the blocked loops and their masks
