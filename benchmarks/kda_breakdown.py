@@ -34,6 +34,12 @@ from benchmarks.kda import bench, inputs, load_fla, make_fla, ours  # noqa: E402
 from k3lit.kernels.kda import chunk  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
+
+def _steps32(warps: int) -> dict:
+    """``_prep_fwd`` / ``_prep64_fwd`` on ``warps`` warps in 32-wide key and value steps."""
+    return dict(prep_warps=warps, wy_bk=32, wy_bv=32)
+
+
 #: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
 SWEEP = {
     "default": {},
@@ -56,28 +62,19 @@ SWEEP = {
     "wy bk32 bv32": dict(wy_bk=32, wy_bv=32),
     "wy bk32 bv32 2 warps": dict(wy_bk=32, wy_bv=32, wy_warps=2),
     "fwd plain fused out": dict(fwd_scan="plain", fwd_plain_out="fused"),
-    "segments 1": dict(fwd_segments=1),
-    "segments 2": dict(fwd_segments=2),
     "segments 4": dict(fwd_segments=4),
     "segments 8": dict(fwd_segments=8),
-    "segments 16": dict(fwd_segments=16),
     "bwd segments 4": dict(bwd_segments=4),
-    "bwd segments 8": dict(bwd_segments=8),
     "u work dtype": dict(u_dtype="work"),
     "wy recomputes g": dict(wy_g="recomputed"),
-    "fwd bytes cut": dict(u_dtype="work", wy_g="recomputed"),
     "fwd bytes cut, segments 4": dict(u_dtype="work", wy_g="recomputed", fwd_segments=4),
-    "fwd bytes cut, segments 8": dict(u_dtype="work", wy_g="recomputed", fwd_segments=8),
-    "fwd bytes cut, plain fused out, segments 4": dict(u_dtype="work", wy_g="recomputed", fwd_scan="plain",
-                                                       fwd_plain_out="fused", fwd_segments=4),
-    "prep fused 1 warp bk32": dict(fwd_prep="fused", prep_warps=1, wy_bk=32, wy_bv=32),
-    "prep fused 2 warps bk32": dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32),
-    "prep fused 4 warps bk32": dict(fwd_prep="fused", prep_warps=4, wy_bk=32, wy_bv=32),
-    "prep fused 2 warps, u work, segments 4": dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32,
-                                                   u_dtype="work", fwd_segments=4),
-    "inference chunk 64": dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32),
-    "inference chunk 64, fwd bv16": dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32, fwd_bv=16),
-    "inference chunk 64, segments 4": dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32, fwd_segments=4),
+    "prep fused 1 warp bk32": dict(fwd_prep="fused", **_steps32(1)),
+    "prep fused 2 warps bk32": dict(fwd_prep="fused", **_steps32(2)),
+    "prep fused 4 warps bk32": dict(fwd_prep="fused", **_steps32(4)),
+    "prep fused 2 warps, u work, segments 4": dict(fwd_prep="fused", **_steps32(2), u_dtype="work", fwd_segments=4),
+    "inference chunk 64": dict(inference_chunk=64, **_steps32(4)),
+    "inference chunk 64, fwd bv16": dict(inference_chunk=64, **_steps32(4), fwd_bv=16),
+    "inference chunk 64, segments 4": dict(inference_chunk=64, **_steps32(4), fwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}

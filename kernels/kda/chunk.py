@@ -96,6 +96,15 @@ def _row(x, rows, i):
 
 
 @triton.jit
+def _substitute_row(L, X, rows, i):
+    """One step of the forward substitution for X = (I + L)^-1, L strictly lower ``[C, C]``: row ``i`` of X becomes
+    e_i - sum_{j<i} L_ij X_j (rows below i still the identity's, so the sum may run over all rows)."""
+    l_i = _row(L, rows, i)
+    x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
+    return tl.where((rows == i)[:, None], x_i[None, :], X)
+
+
+@triton.jit
 def _log_decay(g, bias, off, msk, i_h, cols, g_min, K: tl.constexpr, GATE: tl.constexpr):
     """The ``[C, BK]`` log-decay tile at ``g + off`` as float32 (0 where masked). With ``GATE`` the tensor holds
     the gate pre-activation e and the tile is ``g_min * sigmoid(e + bias)`` (bias ``[H * K]`` float32)."""
@@ -212,9 +221,7 @@ def _wy_chunk(
     M (stored to ``Mi`` when ``SAVE``), W and U."""
     X = (rows[:, None] == rows[None, :]).to(tl.float32)
     for i in range(1, C):
-        l_i = _row(L, rows, i)
-        x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
-        X = tl.where((rows == i)[:, None], x_i[None, :], X)
+        X = _substitute_row(L, X, rows, i)
     if SAVE:
         tl.debug_barrier()  # every thread has read L (which _wy_fwd loads from Mi) before M overwrites it
         tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), X, mask=m_t[:, None])
@@ -301,6 +308,20 @@ def _prep_fwd(
               GATE, True)
 
 
+@triton.jit
+def _halves_g(g, bias, g_min, i_h, ta, tb, ma, mb, rows, kb, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+              GATE: tl.constexpr):
+    """The key columns ``[kb, kb + BK)`` of a 64-token chunk's halves a (tokens ``ta``, mask ``ma``) and b:
+    ``(mask_a, mask_b, offsets_a, offsets_b, G_a, G_b)``, G cumulated from the chunk's first row (float32)."""
+    cols = kb + tl.arange(0, BK)
+    msk_a, msk_b = ma[:, None] & (cols < K)[None, :], mb[:, None] & (cols < K)[None, :]
+    off_a = ta[:, None] * (H * K) + i_h * K + cols[None, :]
+    off_b = tb[:, None] * (H * K) + i_h * K + cols[None, :]
+    G_a = tl.cumsum(_log_decay(g, bias, off_a, msk_a, i_h, cols, g_min, K, GATE), axis=0)
+    G_b = tl.cumsum(_log_decay(g, bias, off_b, msk_b, i_h, cols, g_min, K, GATE), axis=0) + _row(G_a, rows, 31)[None, :]
+    return msk_a, msk_b, off_a, off_b, G_a, G_b
+
+
 @triton.jit(do_not_specialize_on_alignment=["cidx"])
 def _prep64_fwd(
     k, q, v, g, beta, Gc, Aq, Kd, Qg, W, U, cu, cidx, scale, bias, g_min,
@@ -333,14 +354,8 @@ def _prep64_fwd(
     Q_bb = tl.zeros([32, 32], dtype=tl.float32)
     Q_ba = tl.zeros([32, 32], dtype=tl.float32)
     for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        msk_a, msk_b = ma[:, None] & (cols < K)[None, :], mb[:, None] & (cols < K)[None, :]
-        off_a = ta[:, None] * (H * K) + i_h * K + cols[None, :]
-        off_b = tb[:, None] * (H * K) + i_h * K + cols[None, :]
-        G_a = tl.cumsum(_log_decay(g, bias, off_a, msk_a, i_h, cols, g_min, K, GATE), axis=0)
-        G_a31 = _row(G_a, rows, 31)  # masked rows add 0: a's last valid row
-        G_b = tl.cumsum(_log_decay(g, bias, off_b, msk_b, i_h, cols, g_min, K, GATE), axis=0) + G_a31[None, :]
-        G_last = _row(G_b, rows, 31)
+        msk_a, msk_b, off_a, off_b, G_a, G_b = _halves_g(g, bias, g_min, i_h, ta, tb, ma, mb, rows, kb, H, K, BK, GATE)
+        G_a31, G_last = _row(G_a, rows, 31), _row(G_b, rows, 31)  # masked rows add 0: the halves' last valid rows
         tl.store(Gc + off_a, G_a, mask=msk_a & (rows == n_valid - 1)[:, None])  # the scans' G_last
         tl.store(Gc + off_b, G_b, mask=msk_b & (rows + 32 == n_valid - 1)[:, None])
         k_a = tl.load(k + off_a, mask=msk_a, other=0.0).to(tl.float32)
@@ -381,24 +396,15 @@ def _prep64_fwd(
              mask=mb[:, None])
     X_a = (rows[:, None] == rows[None, :]).to(tl.float32)
     X_b = X_a
-    for i in range(1, 32):
-        la, lb = _row(L_a, rows, i), _row(L_b, rows, i)
-        xa = tl.where(rows == i, 1.0, -tl.sum(la[:, None] * X_a, axis=0))
-        xb = tl.where(rows == i, 1.0, -tl.sum(lb[:, None] * X_b, axis=0))
-        X_a = tl.where((rows == i)[:, None], xa[None, :], X_a)
-        X_b = tl.where((rows == i)[:, None], xb[None, :], X_b)
+    for i in range(1, 32):  # the two halves' substitutions interleaved: independent chains
+        X_a = _substitute_row(L_a, X_a, rows, i)
+        X_b = _substitute_row(L_b, X_b, rows, i)
     X_ba = -_dot(_dot(X_b, L_ba, True), X_a, True)
     Xa = _op(X_a * b_a[None, :], F32)
     Xb = _op(X_b * b_b[None, :], F32)
     Xba = _op(X_ba * b_a[None, :], F32)
     for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        msk_a, msk_b = ma[:, None] & (cols < K)[None, :], mb[:, None] & (cols < K)[None, :]
-        off_a = ta[:, None] * (H * K) + i_h * K + cols[None, :]
-        off_b = tb[:, None] * (H * K) + i_h * K + cols[None, :]
-        G_a = tl.cumsum(_log_decay(g, bias, off_a, msk_a, i_h, cols, g_min, K, GATE), axis=0)
-        G_b = tl.cumsum(_log_decay(g, bias, off_b, msk_b, i_h, cols, g_min, K, GATE), axis=0) + _row(G_a, rows,
-                                                                                                      31)[None, :]
+        msk_a, msk_b, off_a, off_b, G_a, G_b = _halves_g(g, bias, g_min, i_h, ta, tb, ma, mb, rows, kb, H, K, BK, GATE)
         k_a = tl.load(k + off_a, mask=msk_a, other=0.0).to(tl.float32)
         k_b = tl.load(k + off_b, mask=msk_b, other=0.0).to(tl.float32)
         if L2:
