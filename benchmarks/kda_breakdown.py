@@ -75,6 +75,19 @@ SWEEP = {
     "inference chunk 64": dict(inference_chunk=64, **_steps32(4)),
     "inference chunk 64, fwd bv16": dict(inference_chunk=64, **_steps32(4), fwd_bv=16),
     "inference chunk 64, segments 4": dict(inference_chunk=64, **_steps32(4), fwd_segments=4),
+    "prep fused 1 warp bk32, u work": dict(fwd_prep="fused", **_steps32(1), u_dtype="work"),
+    "prep fused 1 warp bk64": dict(fwd_prep="fused", prep_warps=1, wy_bk=64, wy_bv=64),
+    "prep fused 1 warp bk32 bv64": dict(fwd_prep="fused", prep_warps=1, wy_bk=32, wy_bv=64),
+    "prep fused 1 warp bk32, segments 4": dict(fwd_prep="fused", **_steps32(1), fwd_segments=4),
+    "prep fused 1 warp bk32, u work, segments 8": dict(fwd_prep="fused", **_steps32(1), u_dtype="work",
+                                                      fwd_segments=8),
+    "prep fused 1 warp bk32, bwd segments 4": dict(fwd_prep="fused", **_steps32(1), bwd_segments=4),
+    "prep fused 1 warp bk32, u work, fwd plain fused out": dict(fwd_prep="fused", **_steps32(1), u_dtype="work",
+                                                               fwd_scan="plain", fwd_plain_out="fused"),
+    "inference chunk 64, 1 warp": dict(inference_chunk=64, **_steps32(1)),
+    "inference chunk 64, 2 warps": dict(inference_chunk=64, **_steps32(2)),
+    "inference chunk 64, 1 warp, u work, segments 4": dict(inference_chunk=64, **_steps32(1), u_dtype="work",
+                                                          fwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
@@ -85,6 +98,12 @@ FORWARD_VARIANTS = ["segments 4", "segments 8", "bwd segments 4", "u work dtype"
                     "prep fused 2 warps bk32", "prep fused 4 warps bk32", "prep fused 2 warps, u work, segments 4",
                     "inference chunk 64", "inference chunk 64, fwd bv16", "inference chunk 64, segments 4",
                     "intra bk32 4 warps", "wy bk32 bv32 2 warps"]
+#: Session 9: the one-kernel intra + WY on one warp (the fastest of session 8's forward alternatives on the H200)
+#: with each of the others, and the 64-token inference chunks on fewer warps.
+COMBINED_VARIANTS = [k for k in SWEEP if k.startswith(("prep fused 1 warp bk", "inference chunk 64, 1",
+                                                        "inference chunk 64, 2"))]
+#: ``--variants`` group names.
+VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "combined": COMBINED_VARIANTS}
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -187,7 +206,7 @@ def main() -> None:
     ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
     ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
     ap.add_argument("--variants", nargs="+", metavar="NAME",
-                    help="sweep only these SWEEP entries (and the default); 'forward': FORWARD_VARIANTS")
+                    help="sweep only these SWEEP entries (and the default), or groups of them: " + ", ".join(VARIANT_GROUPS))
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown (with --sweep)")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
@@ -210,7 +229,8 @@ def main() -> None:
             if fla is not None:
                 breakdown("fla", fla, shp, report)
     if a.sweep:
-        sweep(a.shapes, report, FORWARD_VARIANTS if a.variants == ["forward"] else a.variants, a.json)
+        names = [n for v in a.variants or () for n in VARIANT_GROUPS.get(v, [v])]
+        sweep(a.shapes, report, names or None, a.json)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
