@@ -206,7 +206,8 @@ def main() -> None:
     ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
     ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
     ap.add_argument("--variants", nargs="+", metavar="NAME",
-                    help="sweep only these SWEEP entries (and the default), or groups of them: " + ", ".join(VARIANT_GROUPS))
+                    help="sweep only these SWEEP entries (and the default), or groups of them: "
+                    + ", ".join(VARIANT_GROUPS))
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown (with --sweep)")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
