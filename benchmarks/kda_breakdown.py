@@ -34,12 +34,6 @@ from benchmarks.kda import bench, inputs, load_fla, make_fla, ours  # noqa: E402
 from k3lit.kernels.kda import chunk  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
-
-def _steps32(warps: int) -> dict:
-    """``_prep_fwd`` / ``_prep64_fwd`` on ``warps`` warps in 32-wide key and value steps."""
-    return dict(prep_warps=warps, wy_bk=32, wy_bv=32)
-
-
 #: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
 SWEEP = {
     "default": {},
@@ -48,8 +42,6 @@ SWEEP = {
     "fwd plain bv32": dict(fwd_scan="plain", fwd_bv=32),
     "bwd plain": dict(bwd_scan="plain"),
     "bwd transposed": dict(bwd_scan="transposed"),
-    "intra 1 warp": dict(intra_warps=1),
-    "intra 4 warps": dict(intra_warps=4),
     "main_bwd bv32": dict(main_bwd_bv=32),
     "main_bwd bv64": dict(main_bwd_bv=64),
     "main_bwd 8 warps": dict(main_bwd_warps=8),
@@ -57,53 +49,32 @@ SWEEP = {
     "scan 8 warps": dict(scan_warps=8),
     "fwd transposed bv32": dict(fwd_scan="transposed", fwd_bv=32),
     "fwd transposed bv16": dict(fwd_scan="transposed", fwd_bv=16),
-    "intra bk32 1 warp": dict(intra_bk=32, intra_warps=1),
-    "intra bk32 4 warps": dict(intra_bk=32, intra_warps=4),
-    "wy bk32 bv32": dict(wy_bk=32, wy_bv=32),
-    "wy bk32 bv32 2 warps": dict(wy_bk=32, wy_bv=32, wy_warps=2),
+    "split intra + wy": dict(fwd_prep="split"),
+    "split, intra 1 warp": dict(fwd_prep="split", intra_warps=1),
+    "split, intra 4 warps": dict(fwd_prep="split", intra_warps=4),
+    "split, intra bk32 4 warps": dict(fwd_prep="split", intra_bk=32, intra_warps=4),
+    "split, wy bk32 bv32 2 warps": dict(fwd_prep="split", wy_bk=32, wy_bv=32, wy_warps=2),
+    "split, wy recomputes g": dict(fwd_prep="split", wy_g="recomputed"),
+    "prep 2 warps": dict(prep_warps=2),
+    "prep bk64": dict(wy_bk=64, wy_bv=64),
+    "prep bk32 bv64": dict(wy_bv=64),
+    "u work dtype": dict(u_dtype="work"),
     "fwd plain fused out": dict(fwd_scan="plain", fwd_plain_out="fused"),
+    "u work, fwd plain fused out": dict(u_dtype="work", fwd_scan="plain", fwd_plain_out="fused"),
+    "no segments": dict(fwd_segments=1, bwd_segments=1),
     "segments 4": dict(fwd_segments=4),
     "segments 8": dict(fwd_segments=8),
     "bwd segments 4": dict(bwd_segments=4),
-    "u work dtype": dict(u_dtype="work"),
-    "wy recomputes g": dict(wy_g="recomputed"),
-    "fwd bytes cut, segments 4": dict(u_dtype="work", wy_g="recomputed", fwd_segments=4),
-    "prep fused 1 warp bk32": dict(fwd_prep="fused", **_steps32(1)),
-    "prep fused 2 warps bk32": dict(fwd_prep="fused", **_steps32(2)),
-    "prep fused 4 warps bk32": dict(fwd_prep="fused", **_steps32(4)),
-    "prep fused 2 warps, u work, segments 4": dict(fwd_prep="fused", **_steps32(2), u_dtype="work", fwd_segments=4),
-    "inference chunk 64": dict(inference_chunk=64, **_steps32(4)),
-    "inference chunk 64, fwd bv16": dict(inference_chunk=64, **_steps32(4), fwd_bv=16),
-    "inference chunk 64, segments 4": dict(inference_chunk=64, **_steps32(4), fwd_segments=4),
-    "prep fused 1 warp bk32, u work": dict(fwd_prep="fused", **_steps32(1), u_dtype="work"),
-    "prep fused 1 warp bk64": dict(fwd_prep="fused", prep_warps=1, wy_bk=64, wy_bv=64),
-    "prep fused 1 warp bk32 bv64": dict(fwd_prep="fused", prep_warps=1, wy_bk=32, wy_bv=64),
-    "prep fused 1 warp bk32, segments 4": dict(fwd_prep="fused", **_steps32(1), fwd_segments=4),
-    "prep fused 1 warp bk32, u work, segments 8": dict(fwd_prep="fused", **_steps32(1), u_dtype="work",
-                                                      fwd_segments=8),
-    "prep fused 1 warp bk32, bwd segments 4": dict(fwd_prep="fused", **_steps32(1), bwd_segments=4),
-    "prep fused 1 warp bk32, u work, fwd plain fused out": dict(fwd_prep="fused", **_steps32(1), u_dtype="work",
-                                                               fwd_scan="plain", fwd_plain_out="fused"),
-    "inference chunk 64, 1 warp": dict(inference_chunk=64, **_steps32(1)),
-    "inference chunk 64, 2 warps": dict(inference_chunk=64, **_steps32(2)),
-    "inference chunk 64, 1 warp, u work, segments 4": dict(inference_chunk=64, **_steps32(1), u_dtype="work",
-                                                          fwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
-#: The alternatives of session 8 (pipeline segments, fewer bytes, one-kernel intra + WY, 64-token inference chunks)
-#: and the 32-wide forward blocks of session 7, none timed on a GPU yet.
-FORWARD_VARIANTS = ["segments 4", "segments 8", "bwd segments 4", "u work dtype", "wy recomputes g",
-                    "fwd bytes cut, segments 4", "fwd plain fused out", "fwd transposed bv16", "prep fused 1 warp bk32",
-                    "prep fused 2 warps bk32", "prep fused 4 warps bk32", "prep fused 2 warps, u work, segments 4",
-                    "inference chunk 64", "inference chunk 64, fwd bv16", "inference chunk 64, segments 4",
-                    "intra bk32 4 warps", "wy bk32 bv32 2 warps"]
-#: Session 9: the one-kernel intra + WY on one warp (the fastest of session 8's forward alternatives on the H200)
-#: with each of the others, and the 64-token inference chunks on fewer warps.
-COMBINED_VARIANTS = [k for k in SWEEP if k.startswith(("prep fused 1 warp bk", "inference chunk 64, 1",
-                                                        "inference chunk 64, 2"))]
+#: The forward's alternatives around session 9's defaults: the per-chunk work split in two kernels, the one kernel's
+#: warps and steps, fewer bytes, the scan writing the output, pipeline segments forced on and off.
+FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps", "prep bk64", "prep bk32 bv64",
+                    "u work dtype", "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4",
+                    "segments 8", "bwd segments 4"]
 #: ``--variants`` group names.
-VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "combined": COMBINED_VARIANTS}
+VARIANT_GROUPS = {"forward": FORWARD_VARIANTS}
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -199,6 +170,28 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
     chunk.TUNING.update(defaults)
 
 
+def table(paths: list[str]) -> str:
+    """A markdown table of the sweeps stored by ``--json`` in ``paths``: a row per variant (each file's in its
+    order, the default once per file, named by the file), a column per shape, each cell ``fwd / f+b`` median ms with
+    the fastest forward and forward+backward of each shape (over all files) in bold; shapes missing in a file are
+    blank."""
+    runs = [(os.path.basename(p), json.load(open(p))["sweep"]) for p in paths]
+    shapes = list(dict.fromkeys(s for _, r in runs for s in r))
+    rows = [(f"{label} ({name})" if label == "default" else label, {s: r[s].get(label) for s in r})
+            for name, r in runs for label in dict.fromkeys(v for s in r for v in r[s])]
+    best = {s: [min(c[s][k] for _, c in rows if c.get(s)) for k in ("fwd", "fb")] for s in shapes}
+
+    def cell(x: dict | None, s: str) -> str:
+        if x is None:
+            return ""
+        return " / ".join(f"**{x[k]:.2f}**" if x[k] == b else f"{x[k]:.2f}" for k, b in zip(("fwd", "fb"), best[s]))
+
+    head = "| variant | " + " | ".join("B{} T{} H{} D{}".format(*eval(s)) for s in shapes) + " |"
+    lines = [head, "|---" * (len(shapes) + 1) + "|"]
+    lines += ["| " + label + " | " + " | ".join(cell(c.get(s), s) for s in shapes) + " |" for label, c in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", type=shape, default=[(1, 65536, 16, 128), (8, 2048, 16, 128)],
@@ -211,7 +204,11 @@ def main() -> None:
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown (with --sweep)")
     ap.add_argument("--json", help="write every number here")
     ap.add_argument("--fla-compile-worker", metavar="I/P", help="only compile share I of P of fla's candidates")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the sweeps stored by --json as one table")
     a = ap.parse_args()
+    if a.table:
+        print(table(a.table))
+        return
     if not torch.cuda.is_available():
         sys.exit("kda_breakdown.py times CUDA kernels: it needs a GPU")
     if a.fla_compile_worker:

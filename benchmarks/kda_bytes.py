@@ -18,14 +18,12 @@ import argparse
 MEASURED = {"_intra_fwd": (0.325, 0.64), "_wy_fwd": (0.211, 0.49), "_scan_fwd_t": (0.176, 0.44)}
 TOKEN_HEADS = 8 * 2048 * 16
 #: The kernel whose measured rate each modelled kernel is timed at.
-RATE_OF = {"_intra_fwd": "_intra_fwd", "_prep_fwd": "_intra_fwd", "_prep64_fwd": "_intra_fwd", "_wy_fwd": "_wy_fwd",
-           "_scan_fwd_t": "_scan_fwd_t"}
+RATE_OF = {"_intra_fwd": "_intra_fwd", "_prep_fwd": "_intra_fwd", "_wy_fwd": "_wy_fwd", "_scan_fwd_t": "_scan_fwd_t"}
 
 
 def kernel_bytes(D: int, C: int, u_bf16: bool = False, wy_recomputes_g: bool = False, prep: str = "split"
                  ) -> dict[str, float]:
-    """Bytes per token and head of each forward kernel without a backward (``prep``: "split", "fused" or "64",
-    the 64-token inference chunks)."""
+    """Bytes per token and head of each forward kernel without a backward (``prep``: "split" or "fused")."""
     K = V = D
     u = 2 * V if u_bf16 else 4 * V
     inputs = 2 * K + 2 * K + 4 * K + 2  # q, k, g, beta
@@ -35,12 +33,9 @@ def kernel_bytes(D: int, C: int, u_bf16: bool = False, wy_recomputes_g: bool = F
         gc = 4 * K / C if wy_recomputes_g else 4 * K  # G stored at the last row only, or every row
         out["_intra_fwd"] = inputs + gc + per_chunk_out + 4 * C + 4 * C  # + Aq, L
         out["_wy_fwd"] = 4 * C + 2 + 4 * K + 2 * K + 2 * V + 2 * K + u  # L, beta, Gc or g, k, v; W, U
-        Cs = C
     else:
-        Cs = 64 if prep == "64" else C
-        out["_prep64_fwd" if prep == "64" else "_prep_fwd"] = (inputs + 2 * V + 4 * K / Cs + per_chunk_out + 4 * Cs
-                                                             + 2 * K + u)
-    out["_scan_fwd_t"] = 2 * K + u + 2 * K + 4 * Cs + 2 * K + 4 * K / Cs + 2 * V  # W, U, Qg, Aq, Kd, G_last; o
+        out["_prep_fwd"] = inputs + 2 * V + 4 * K / C + per_chunk_out + 4 * C + 2 * K + u
+    out["_scan_fwd_t"] = 2 * K + u + 2 * K + 4 * C + 2 * K + 4 * K / C + 2 * V  # W, U, Qg, Aq, Kd, G_last; o
     return out
 
 
@@ -50,12 +45,11 @@ def predicted_ms(kb: dict[str, float]) -> float:
 
 
 VARIANTS = {
-    "defaults": {},
-    '`u_dtype="work"`': dict(u_bf16=True),
-    '`wy_g="recomputed"`': dict(wy_recomputes_g=True),
-    '`fwd_prep="fused"`': dict(prep="fused"),
+    '`fwd_prep="split"` (session 7\'s defaults)': {},
+    '`fwd_prep="split"`, `u_dtype="work"`': dict(u_bf16=True),
+    '`fwd_prep="split"`, `wy_g="recomputed"`': dict(wy_recomputes_g=True),
+    '`fwd_prep="fused"` (the defaults since session 9)': dict(prep="fused"),
     '`fwd_prep="fused"`, `u_dtype="work"`': dict(prep="fused", u_bf16=True),
-    "`inference_chunk=64`": dict(prep="64"),
 }
 
 

@@ -40,19 +40,18 @@ META = torch.device("meta")
 
 def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16,
          scans_only: bool = False, only: tuple[str, ...] = (), tuning: dict | None = None,
-         inference64: bool = False, save: bool = True) -> list[aot.Launch]:
+         save: bool = True) -> list[aot.Launch]:
     """The chunked KDA launches at one shape (which scan kernels run depends on it: ``chunk._scan_plan``) and the
     one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
-    ``tuning``: with these ``chunk.TUNING`` settings; ``inference64``: the forward without saves in 64-token chunks
-    of two 32-row halves; ``save=False``: the forward without a backward to follow (the backward's launches are
-    still recorded, on what it would read)."""
+    ``tuning``: with these ``chunk.TUNING`` settings; ``save=False``: the forward without a backward to follow (the
+    backward's launches are still recorded, on what it would read)."""
     from k3lit.kernels.kda import chunk, fused_recurrent
 
     if tuning:
         saved = dict(chunk.TUNING)
         chunk.TUNING.update(tuning)
         try:
-            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only, None, inference64, save)
+            return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only, None, save)
         finally:
             chunk.TUNING.clear()
             chunk.TUNING.update(saved)
@@ -64,21 +63,18 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     beta = torch.empty(B, T, H, **bf)
     bias = torch.empty(H * K, device=META) if gate else None
     fusion = (bias, -5.0 if gate else None, l2)
-    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_prep64_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd",
-             "_scan_bwd_t", "_main_bwd")
-    if inference64:
-        with aot.record_launches(chunk, *names) as launches:
-            chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 64, *fusion, save=False, sub_chunk=32)
-        return list({x.name: x for x in reversed(launches) if not only or x.name in only}.values())[::-1]
+    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t",
+             "_main_bwd")
     with aot.record_launches(chunk, *names) as launches:
         o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
                                                                *fusion, save=save)
         chunk.chunk_bwd(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, torch.empty_like(o), None, False,
                         K**-0.5, None, 32, *fusion)
+    launches = list({x.name: x for x in reversed(launches)}.values())[::-1]  # pipeline segments relaunch a kernel
     if scans_only:
         return [x for x in launches if x.name.startswith(("_scan", "_out"))]
-    if only:  # the first launch of each (a pipeline launches a kernel once per segment)
-        return list({x.name: x for x in reversed(launches) if x.name in only}.values())[::-1]
+    if only:
+        return [x for x in launches if x.name in only]
     with aot.record_launches(fused_recurrent, "_fused_recurrent_fwd") as decode:
         state = torch.empty(B, H, K, V, device=META)
         one = [x[:, :1] for x in (q, k, v, g.float(), beta)]
@@ -126,7 +122,7 @@ def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at issue 3's B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
     shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape), and
-    the forward alternatives of ``chunk.TUNING`` that change kernels (not timed on a GPU yet);
+    the forward alternatives of ``chunk.TUNING`` that change kernels;
     the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py) and its two-phase
     kernels for a block of 4 sublayers over 6 summaries at batch 8; the q|k|v short
     convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""
@@ -140,14 +136,11 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
         "KDA K=V=128, no backward, wy_g recomputed, u_dtype work": _kda(
             4, 4096, 16, 128, 128, False, False, only=("_intra_fwd", "_wy_fwd"),
-            tuning=dict(wy_g="recomputed", u_dtype="work"), save=False),
+            tuning=dict(fwd_prep="split", wy_g="recomputed", u_dtype="work"), save=False),
         "KDA K=V=256, plain scan writing the output": _kda(1, 8192, 32, 256, 256, False, False, only=("_scan_fwd",),
                                                            tuning=dict(fwd_plain_out="fused")),
-        "KDA K=V=128, no backward, intra and wy in one kernel (2 warps, 32-wide steps)": _kda(
-            4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",),
-            tuning=dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32), save=False),
-        "KDA K=V=128, 64-token inference chunks (4 warps, 32-wide steps)": _kda(
-            4, 4096, 16, 128, 128, False, False, tuning=dict(prep_warps=4, wy_bk=32, wy_bv=32), inference64=True),
+        "KDA K=V=128, intra and wy in two kernels": _kda(4, 4096, 16, 128, 128, False, False,
+                                                         only=("_intra_fwd", "_wy_fwd"), tuning=dict(fwd_prep="split")),
         "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,
                                                only=("_out_fwd", "_main_bwd"),
                                                tuning=dict(fwd_segments=4, bwd_segments=4, fwd_scan="plain")),

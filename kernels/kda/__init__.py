@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lit.kernels.kda.chunk import TUNING, _work_dtype, chunk_bwd, chunk_fwd, max_chunks
+from k3lit.kernels.kda.chunk import _work_dtype, chunk_bwd, chunk_fwd, max_chunks
 from k3lit.kernels.kda.fused_recurrent import fused_recurrent_fwd
 from k3lit.ops.kda.validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 
@@ -26,18 +26,18 @@ _Opt = torch.Tensor | None
 def _kda_chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: _Opt, output_final_state: bool, cu_seqlens: _Opt, chunk_size: int,
-    gate_bias: _Opt, gate_g_min: float | None, qk_l2norm: bool, save: bool, sub_chunk: int,
+    gate_bias: _Opt, gate_g_min: float | None, qk_l2norm: bool, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``; everything after ht is saved for the backward, and
     written only with ``save`` (False when no input needs a gradient)."""
     return chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-                     gate_bias, gate_g_min, qk_l2norm, save, sub_chunk)
+                     gate_bias, gate_g_min, qk_l2norm, save)
 
 
 @_kda_chunk_fwd.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate_bias, gate_g_min,
-      qk_l2norm, save, sub_chunk):
+      qk_l2norm, save):
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -82,7 +82,7 @@ def _(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, do, dht, need_dh0, scal
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate_bias, gate_g_min,
-     qk_l2norm, _, _) = inputs
+     qk_l2norm, _) = inputs
     _, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = output
     # The saved-only outputs get no gradient: without these two calls autograd would fill a zero gradient for
     # each of them before every backward (GBs at training shapes: ~1 ms at B8 T2048 H32 D256 on the H200), and
@@ -110,7 +110,7 @@ def _backward(ctx, do, dht, *_unused):
     if gate_bias is not None and ctx.needs_input_grad[10]:  # float32 sums of the float32 dg over all tokens
         dbias = dg.reshape(-1, gate_bias.numel()).sum(0).reshape(gate_bias.shape).to(gate_bias.dtype)
     return (dq, dk, dv, dg.to(ctx.g_dtype), dbeta, None, (dh0 if ctx.has_h0 else None), None, None, None, dbias,
-            None, None, None, None)
+            None, None, None)
 
 
 _kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -194,13 +194,8 @@ def kda_triton(
     # what only the backward reads is written only when a backward can follow
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                            for x in (q, k, v, g, beta, initial_state, gate_bias))
-    # without a backward, 64-token chunks of two 32-row halves where only 32 rows are safe (TUNING, off by default;
-    # at K or V above 128 a 64-row scan's tiles outgrow an SM's shared memory)
-    sub = 32 if (not save and chunk_size is None and C == 32 and TUNING["inference_chunk"] == 64 and K <= 128
-                 and V <= 128) else 0
-    o, ht, *_ = _kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               64 if sub else C, gate_bias, float(g_min) if use_gate_in_kernel else None,
-                               use_qk_l2norm_in_kernel, save, sub)
+    o, ht, *_ = _kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
+                               gate_bias, float(g_min) if use_gate_in_kernel else None, use_qk_l2norm_in_kernel, save)
     return o, (ht if output_final_state else None)
 
 

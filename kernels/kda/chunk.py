@@ -309,123 +309,6 @@ def _prep_fwd(
 
 
 @triton.jit
-def _halves_g(g, bias, g_min, i_h, ta, tb, ma, mb, rows, kb, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-              GATE: tl.constexpr):
-    """The key columns ``[kb, kb + BK)`` of a 64-token chunk's halves a (tokens ``ta``, mask ``ma``) and b:
-    ``(mask_a, mask_b, offsets_a, offsets_b, G_a, G_b)``, G cumulated from the chunk's first row (float32)."""
-    cols = kb + tl.arange(0, BK)
-    msk_a, msk_b = ma[:, None] & (cols < K)[None, :], mb[:, None] & (cols < K)[None, :]
-    off_a = ta[:, None] * (H * K) + i_h * K + cols[None, :]
-    off_b = tb[:, None] * (H * K) + i_h * K + cols[None, :]
-    G_a = tl.cumsum(_log_decay(g, bias, off_a, msk_a, i_h, cols, g_min, K, GATE), axis=0)
-    G_b = tl.cumsum(_log_decay(g, bias, off_b, msk_b, i_h, cols, g_min, K, GATE), axis=0) + _row(G_a, rows, 31)[None, :]
-    return msk_a, msk_b, off_a, off_b, G_a, G_b
-
-
-@triton.jit(do_not_specialize_on_alignment=["cidx"])
-def _prep64_fwd(
-    k, q, v, g, beta, Gc, Aq, Kd, Qg, W, U, cu, cidx, scale, bias, g_min,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
-    GATE: tl.constexpr, L2: tl.constexpr,
-):
-    """Per (64-token chunk, head), without a backward to follow: what :func:`_prep_fwd` forms for the scans (G's
-    last row, Aq, Kd, Qg, W, U), for a chunk of two 32-row halves a (rows 0-31) and b (32-63) at a g_min for
-    which only 32 rows are safe to rebase on one middle row (``TUNING["inference_chunk"] = 64``).
-
-    G is the cumulative sum from the chunk's first row, so Kd, Qg and K⊙exp(G) are those of a 64-token chunk.
-    The diagonal blocks of A and Aq are each half's own, rebased on its row 15 (exponents <= |g_min| * 16 <= 88);
-    the b-rows x a-columns block is K_b⊙exp(G_b - G_a31) · (K_a⊙exp(G_a31 - G_a))^T, rebased on a's last row,
-    where both factors are decays <= 1 (a factor that underflows belongs to a product below exp(-87)). The
-    inverse of I + L, L = Diag(beta) A block lower triangular: M_a, M_b by forward substitution (both in one
-    loop), M_ba = -M_b L_ba M_a (3xTF32); then W = M Diag(beta) K⊙exp(G) and U = M Diag(beta) V blockwise,
-    W_b = M_b β_b Kg_b + M_ba β_a Kg_a. Half the scan steps of 32-token chunks, and half the per-chunk states."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_valid = _chunk_bounds(cu, cidx, i_c, 64)
-    rows = tl.arange(0, 32)
-    ma, mb = rows < n_valid, rows + 32 < n_valid
-    ta, tb = t0 + rows, t0 + 32 + rows
-    if L2:
-        rqa, rqb = _rnorm(q, ta, i_h, ma, H, K, 32, BK), _rnorm(q, tb, i_h, mb, H, K, 32, BK)
-        rka, rkb = _rnorm(k, ta, i_h, ma, H, K, 32, BK), _rnorm(k, tb, i_h, mb, H, K, 32, BK)
-    A_aa = tl.zeros([32, 32], dtype=tl.float32)
-    A_bb = tl.zeros([32, 32], dtype=tl.float32)
-    A_ba = tl.zeros([32, 32], dtype=tl.float32)
-    Q_aa = tl.zeros([32, 32], dtype=tl.float32)
-    Q_bb = tl.zeros([32, 32], dtype=tl.float32)
-    Q_ba = tl.zeros([32, 32], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        msk_a, msk_b, off_a, off_b, G_a, G_b = _halves_g(g, bias, g_min, i_h, ta, tb, ma, mb, rows, kb, H, K, BK, GATE)
-        G_a31, G_last = _row(G_a, rows, 31), _row(G_b, rows, 31)  # masked rows add 0: the halves' last valid rows
-        tl.store(Gc + off_a, G_a, mask=msk_a & (rows == n_valid - 1)[:, None])  # the scans' G_last
-        tl.store(Gc + off_b, G_b, mask=msk_b & (rows + 32 == n_valid - 1)[:, None])
-        k_a = tl.load(k + off_a, mask=msk_a, other=0.0).to(tl.float32)
-        k_b = tl.load(k + off_b, mask=msk_b, other=0.0).to(tl.float32)
-        q_a = tl.load(q + off_a, mask=msk_a, other=0.0).to(tl.float32)
-        q_b = tl.load(q + off_b, mask=msk_b, other=0.0).to(tl.float32)
-        if L2:
-            k_a, k_b, q_a, q_b = k_a * rka[:, None], k_b * rkb[:, None], q_a * rqa[:, None], q_b * rqb[:, None]
-        tl.store(Kd + off_a, (k_a * tl.exp(G_last[None, :] - G_a)).to(Kd.dtype.element_ty), mask=msk_a)
-        tl.store(Kd + off_b, (k_b * tl.exp(G_last[None, :] - G_b)).to(Kd.dtype.element_ty), mask=msk_b)
-        tl.store(Qg + off_a, (q_a * tl.exp(G_a) * scale).to(Qg.dtype.element_ty), mask=msk_a)
-        tl.store(Qg + off_b, (q_b * tl.exp(G_b) * scale).to(Qg.dtype.element_ty), mask=msk_b)
-        r_a, r_b = _row(G_a, rows, 15), _row(G_b, rows, 15)
-        ka_dn, kb_dn = k_a * tl.exp(r_a[None, :] - G_a), k_b * tl.exp(r_b[None, :] - G_b)
-        up_a, up_b = tl.exp(G_a - r_a[None, :]), tl.exp(G_b - r_b[None, :])
-        A_aa += _dot(_op(k_a * up_a, F32), tl.trans(_op(ka_dn, F32)), F32)
-        A_bb += _dot(_op(k_b * up_b, F32), tl.trans(_op(kb_dn, F32)), F32)
-        Q_aa += _dot_aq(_tf32(q_a * up_a, F32), tl.trans(_tf32(ka_dn, F32)), F32)
-        Q_bb += _dot_aq(_tf32(q_b * up_b, F32), tl.trans(_tf32(kb_dn, F32)), F32)
-        up_ba = tl.exp(G_b - G_a31[None, :])  # <= 1
-        ka_ab = k_a * tl.exp(G_a31[None, :] - G_a)  # <= |k|
-        A_ba += _dot(_op(k_b * up_ba, F32), tl.trans(_op(ka_ab, F32)), F32)
-        Q_ba += _dot_aq(_tf32(q_b * up_ba, F32), tl.trans(_tf32(ka_ab, F32)), F32)
-    lower = rows[:, None] > rows[None, :]
-    b_a = tl.load(beta + ta * H + i_h, mask=ma, other=0.0).to(tl.float32)
-    b_b = tl.load(beta + tb * H + i_h, mask=mb, other=0.0).to(tl.float32)
-    # entries above a diagonal block's diagonal may be inf/nan; where selects
-    L_a = tl.where(lower, A_aa, 0.0) * b_a[:, None]
-    L_b = tl.where(lower, A_bb, 0.0) * b_b[:, None]
-    L_ba = A_ba * b_b[:, None]
-    oa = ta[:, None] * (H * 64) + i_h * 64 + rows[None, :]  # [T, H, 64]: columns 0-31 of a's rows
-    ob = tb[:, None] * (H * 64) + i_h * 64 + rows[None, :]
-    tl.store(Aq + oa, _tf32(tl.where(lower | (rows[:, None] == rows[None, :]), Q_aa, 0.0) * scale, F32),
-             mask=ma[:, None])
-    tl.store(Aq + oa + 32, tl.zeros([32, 32], dtype=tl.float32), mask=ma[:, None])
-    tl.store(Aq + ob, _tf32(Q_ba * scale, F32), mask=mb[:, None])
-    tl.store(Aq + ob + 32, _tf32(tl.where(lower | (rows[:, None] == rows[None, :]), Q_bb, 0.0) * scale, F32),
-             mask=mb[:, None])
-    X_a = (rows[:, None] == rows[None, :]).to(tl.float32)
-    X_b = X_a
-    for i in range(1, 32):  # the two halves' substitutions interleaved: independent chains
-        X_a = _substitute_row(L_a, X_a, rows, i)
-        X_b = _substitute_row(L_b, X_b, rows, i)
-    X_ba = -_dot(_dot(X_b, L_ba, True), X_a, True)
-    Xa = _op(X_a * b_a[None, :], F32)
-    Xb = _op(X_b * b_b[None, :], F32)
-    Xba = _op(X_ba * b_a[None, :], F32)
-    for kb in range(0, K, BK):
-        msk_a, msk_b, off_a, off_b, G_a, G_b = _halves_g(g, bias, g_min, i_h, ta, tb, ma, mb, rows, kb, H, K, BK, GATE)
-        k_a = tl.load(k + off_a, mask=msk_a, other=0.0).to(tl.float32)
-        k_b = tl.load(k + off_b, mask=msk_b, other=0.0).to(tl.float32)
-        if L2:
-            k_a, k_b = k_a * rka[:, None], k_b * rkb[:, None]
-        kg_a = _op(k_a * tl.exp(G_a), F32)
-        w_a = _dot(Xa, kg_a, F32)
-        w_b = _dot(Xb, _op(k_b * tl.exp(G_b), F32), F32) + _dot(Xba, kg_a, F32)
-        tl.store(W + off_a, w_a.to(W.dtype.element_ty), mask=msk_a)
-        tl.store(W + off_b, w_b.to(W.dtype.element_ty), mask=msk_b)
-    for vb in range(0, V, BV):
-        cols = vb + tl.arange(0, BV)
-        msk_a, msk_b = ma[:, None] & (cols < V)[None, :], mb[:, None] & (cols < V)[None, :]
-        off_a = ta[:, None] * (H * V) + i_h * V + cols[None, :]
-        off_b = tb[:, None] * (H * V) + i_h * V + cols[None, :]
-        v_a = _op(tl.load(v + off_a, mask=msk_a, other=0.0), F32)
-        v_b = _op(tl.load(v + off_b, mask=msk_b, other=0.0), F32)
-        tl.store(U + off_a, _dot(Xa, v_a, F32).to(U.dtype.element_ty), mask=msk_a)
-        tl.store(U + off_b, (_dot(Xb, v_b, F32) + _dot(Xba, v_a, F32)).to(U.dtype.element_ty), mask=msk_b)
-
-
-@triton.jit
 def _scan_seq(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr):
     """A scan program's sequence, head and tiles: ``(i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v)``
@@ -923,41 +806,51 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``bwd_bv``: value columns per scan program (None: by :func:`_scan_plan`); ``*_warps``: warps per program
 #: (``scan_warps`` None: 4 for K <= 128, else 8); ``main_bwd_bv``: value block of :func:`_main_bwd` (None: 64, or
 #: 32 for V > 128, where 32 took 14.43 against 14.81 ms fwd+bwd at B8 T2048 H32 D256 on the H200).
-#: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and :func:`_wy_fwd` (None: 64,
-#: or K / V rounded up to a power of two when smaller). Offline sm_90a compiles (benchmarks/kernel_resources.py's
-#: machinery) put 32-wide blocks at 162 registers for ``_intra_fwd`` on 4 warps (3 blocks per SM, against 4 blocks of
-#: 2 warps today) and at 80 for ``_wy_fwd`` on 2 warps (12 blocks per SM, against 8 of 1 warp); Nsight Compute found
-#: every forward kernel at 12.5% occupancy and ~46% of DRAM peak (benchmarks/RESULTS.md). Not yet timed.
+#: Each setting below was timed in session 9's H200 sweeps (benchmarks/RESULTS.md, "KDA launch settings"; forward
+#: without gradients / forward + backward, ms).
+#: ``fwd_prep``: ``"fused"`` (default) runs the forward's per-chunk work in one kernel, :func:`_prep_fwd`, on
+#: ``prep_warps`` warps (default 1); ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`. Fused on 1 warp in
+#: 32-wide steps: 0.72 -> 0.63 / 2.78 -> 2.71 at B8 T2048 H16 D128, 3.95 -> 3.80 / 13.47 -> 13.36 at B8 T2048 H32
+#: D256; on 2 or 4 warps it is slower than split (0.92, 1.06 at B8 T2048), and in 64-wide steps twice as slow (its
+#: registers spill).
+#: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and of :func:`_wy_fwd` or
+#: :func:`_prep_fwd` (None: 64 split, 32 fused; K / V rounded up to a power of two when smaller).
 #: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored
-#: states, ``"fused"`` in the scan itself (the per-chunk states and Delta are then stored only for the backward).
-#: ``u_dtype``: the dtype U = M Diag(beta) V is stored in between :func:`_wy_fwd` and the forward scan: ``"float32"``,
-#: or ``"work"`` (bf16 for bf16 and fp16 inputs), which halves U's traffic (1 KB of the ~5.9 KB per token and head
-#: that the forward moves at K = V = 128, by the kernels' loads and stores); ``benchmarks/kda_rounding.py --also U``
-#: (a float64 emulation on the CPU, K = V = 64) puts its cost at +3% on o's error and none on the final state's.
-#: ``wy_g``: ``"stored"``: :func:`_wy_fwd` reads the G that :func:`_intra_fwd` stored; ``"recomputed"``: it forms G
-#: again from g (the same bytes, or half with the fused gate's bf16 e), and without a backward to follow
-#: :func:`_intra_fwd` writes only each chunk's last row of G (the scans' G_last): 0.5 KB per token and head less
-#: at K = 128. The two kernels' cumulative sums may associate differently (other warps and steps), so W may
-#: differ from "stored" by float32 rounding; :func:`_prep_fwd` forms G twice the same way.
-#: ``fwd_prep``: ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`; ``"fused"`` runs both in :func:`_prep_fwd`
-#: on ``prep_warps`` warps in key / value steps of ``wy_bk`` / ``wy_bv`` (spill-free offline at 2 warps and 32-wide
-#: steps; the defaults, 1 warp and 64-wide, spill).
-#: ``inference_chunk``: 64 runs a forward without a backward to follow (inference, evaluation) in 64-token chunks of
-#: two 32-row halves (:func:`_prep64_fwd`, on ``prep_warps`` warps in ``wy_bk`` / ``wy_bv`` steps) where g_min allows
-#: only 32-token chunks (the default -5) and K, V <= 128: half the scans' sequential steps and per-chunk states. The
-#: backward kernels stay at 32.
-#: ``fwd_segments``: pipeline segments of the forward over a dense batch (1: none). Segment s covers the same range
-#: of chunks of every sequence; on CUDA its state scan (and output kernel) runs on side streams as soon as its
-#: per-chunk kernels are done, concurrently with the next segment's, so the latency-bound scan no longer waits for
-#: the whole sequence's ``_intra_fwd`` and ``_wy_fwd``. The outputs are bit-identical for any count. Off by default
-#: until timed on a GPU (the ``segments N`` entries of ``kda_breakdown.py``'s sweep). ``bwd_segments``: the same for
-#: the backward, last segment first: each segment's reverse scan runs on a side stream and its ``_main_bwd`` on the
-#: caller's stream once that scan is done, beside the scan of the segment before it.
+#: states, ``"fused"`` in the scan itself (the per-chunk states and Delta are then stored only for the backward):
+#: without gradients 0.94 -> 0.89 at B2 T8192 H16, but 3.78 -> 4.53 at D256, and the output then differs from the
+#: training forward's in float32 rounding, so not the default.
+#: ``u_dtype``: the dtype U = M Diag(beta) V is stored in between the per-chunk kernels and the forward scan:
+#: ``"float32"``, or ``"work"`` (bf16 for bf16 and fp16 inputs), half U's bytes: 1-4% faster forward (0.63 -> 0.61 at
+#: B8 T2048) for a relative difference of 1.2e-3 from float32 U on o and the gradients, so not the default.
+#: ``wy_g`` (split only): ``"stored"``: :func:`_wy_fwd` reads the G that :func:`_intra_fwd` stored; ``"recomputed"``:
+#: it forms G again from g, and without a backward to follow :func:`_intra_fwd` writes only each chunk's last row of
+#: G (the scans' G_last), as :func:`_prep_fwd` always does: no faster in the sweep (0.72 -> 0.73 at B8 T2048).
+#: ``fwd_segments`` / ``bwd_segments``: pipeline segments over a dense batch (1: none; ``"auto"``: by
+#: :func:`_segments`). Segment s covers the same range of chunks of every sequence; on CUDA its state scan (and
+#: output kernel) runs on side streams as soon as its per-chunk kernels are done, concurrently with the next
+#: segment's, so the latency-bound scan no longer waits for the whole sequence's per-chunk work. The backward goes
+#: last segment first: each segment's reverse scan runs on a side stream and its ``_main_bwd`` on the caller's stream
+#: once that scan is done, beside the scan of the segment before it. The outputs are bit-identical for any count.
 #: ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
-                    wy_bv=None, fwd_segments=1, bwd_segments=1, fwd_plain_out="separate", u_dtype="float32",
-                    wy_g="stored", fwd_prep="split", prep_warps=1, inference_chunk=32)
+                    wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="separate",
+                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1)
+
+
+def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> int:
+    """Pipeline segments of the ``"fwd"`` or ``"bwd"`` launches (``TUNING[which + "_segments"]``; ``"auto"``: the
+    rule below). Only a dense batch of more than one chunk is cut. Rule from the H200 sweep of session 9
+    (benchmarks/RESULTS.md, "KDA launch settings"): 4 segments where the scan is one long latency-bound chain
+    beside little other work, B·H <= 16 and at least 1024 chunks a sequence forward (T >= 32768 at C = 32:
+    2.31 -> 2.09 ms at B1·T32768·H16, 4.56 -> 4.02 at T65536) or 512 backward (T >= 16384: 3.77 -> 3.51 ms
+    forward + backward at B1·T16384·H16); elsewhere the extra launches and waits cost more than the overlap
+    gains (0.63 -> 0.78 ms forward at B8·T2048·H16, 0.95 -> 1.64 at B2·T8192·H16)."""
+    P = TUNING[which + "_segments"]
+    n = triton.cdiv(T, C)
+    if P == "auto":
+        P = 4 if B * H <= 16 and n >= (1024 if which == "fwd" else 512) else 1
+    return P if cu_seqlens is None and n > 1 else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -1087,7 +980,6 @@ def chunk_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     initial_state: torch.Tensor | None, output_final_state: bool, cu_seqlens: torch.Tensor | None, C: int,
     gate_bias: torch.Tensor | None = None, g_min: float | None = None, qk_l2norm: bool = False, save: bool = True,
-    sub_chunk: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Forward launches. Inputs ``[B, T, H, *]`` contiguous. Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``.
 
@@ -1096,17 +988,8 @@ def chunk_fwd(
     ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty). ``save=False`` (no backward
     will follow): M, and where the scan writes the output (transposed, or ``fwd_plain_out="fused"``) the states h
     and Delta, are not written, and, when G is formed twice (``wy_g="recomputed"``, ``fwd_prep="fused"``), G only at
-    each chunk's last row, so only ``o`` and ``ht`` are valid. ``sub_chunk=32`` (with ``C = 64`` and not
-    ``save``): chunks of 64 tokens made of two 32-row halves, each rebased on its own middle row
-    (:func:`_prep64_fwd`), for a g_min at which only 32 rows are safe to rebase as one. Launches run on ``q``'s
-    device, on its current stream and, with ``TUNING["fwd_segments"] > 1``, on two side streams joined back before
-    returning.
-
-    Raises:
-        ValueError: ``sub_chunk`` other than 0 or 32, or 32 with ``C != 64`` or with ``save``.
-    """
-    if sub_chunk not in (0, 32) or (sub_chunk and (C != 64 or save)):
-        raise ValueError(f"sub_chunk must be 0, or 32 with C = 64 and save=False; got {sub_chunk}, C={C}, save={save}")
+    each chunk's last row, so only ``o`` and ``ht`` are valid. Launches run on ``q``'s device, on its current
+    stream and, in pipeline segments (:func:`_segments`), on two side streams joined back before returning."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1139,19 +1022,18 @@ def chunk_fwd(
     recompute_g = TUNING["wy_g"] == "recomputed"
     gmin = g_min if gate else 0.0
     BKi = min(TUNING["intra_bk"] or 64, _pow2(K))
-    BKw, BVw = min(TUNING["wy_bk"] or 64, _pow2(K)), min(TUNING["wy_bv"] or 64, _pow2(V))
+    step = 32 if TUNING["fwd_prep"] == "fused" else 64  # the WY step when TUNING leaves it None
+    BKw, BVw = min(TUNING["wy_bk"] or step, _pow2(K)), min(TUNING["wy_bv"] or step, _pow2(V))
     fus = dict(H=H, K=K, C=C, F32=F32, GATE=gate, L2=qk_l2norm)
     table, segs = cidx, ((0, NC, 0, 2**31 - 1),)
-    if cu_seqlens is None and TUNING["fwd_segments"] > 1 and T > C:
-        table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["fwd_segments"], q.device)
+    P = _segments("fwd", B, H, T, C, cu_seqlens)
+    if P > 1:
+        table, segs = _segment_table(B, triton.cdiv(T, C), P, q.device)
     with _pipeline(q.device, len(segs)) as (main, side):
         for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
             rows = table[r0:r1]
             args = (cu, rows, scale, bias, gmin, rnq, rnk)
-            if sub_chunk:
-                _prep64_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Kd, Qg, W, U, *args[:5], H=H, K=K, V=V, BK=BKw,
-                                          BV=BVw, F32=F32, GATE=gate, L2=qk_l2norm, num_warps=TUNING["prep_warps"])
-            elif TUNING["fwd_prep"] == "fused":
+            if TUNING["fwd_prep"] == "fused":
                 _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, *args, V=V, BV=BVw, BK=BKw,
                                         SAVE=save, num_warps=TUNING["prep_warps"], **fus)
             else:
@@ -1222,8 +1104,9 @@ def chunk_bwd(
     rnq, rnk = Rn if qk_l2norm else (None, None)
     bias = _bias(gate_bias, gate, H * K, q.device)
     table, segs = cidx, ((0, NC, 0, 2**31 - 1),)
-    if cu_seqlens is None and TUNING["bwd_segments"] > 1 and T > C:
-        table, segs = _segment_table(B, triton.cdiv(T, C), TUNING["bwd_segments"], q.device)
+    P = _segments("bwd", B, H, T, C, cu_seqlens)
+    if P > 1:
+        table, segs = _segment_table(B, triton.cdiv(T, C), P, q.device)
     BVb = min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V))
     with _pipeline(q.device, len(segs)) as (main, side):
         for i, (r0, r1, it_lo, it_hi) in reversed(list(enumerate(segs))):

@@ -99,11 +99,11 @@ def test_forward_backward_matches_reference(seed, scan_layout, B, T, H, K, V):
 
 
 def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
-    """The 32-wide key / value steps of the forward's per-chunk kernels (``chunk.TUNING`` alternatives that
+    """The 32-wide key / value steps of the split forward's per-chunk kernels (``chunk.TUNING`` alternatives that
     ``kda_breakdown.py --sweep`` times), at K and V that span more than one step and are not multiples of it."""
     from k3lit.kernels.kda import chunk
 
-    for key, value in dict(intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
+    for key, value in dict(fwd_prep="split", intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
         monkeypatch.setitem(chunk.TUNING, key, value)
     blocks = []
     for name in ("_intra_fwd", "_wy_fwd"):  # record each launch's block sizes, then launch it
@@ -182,6 +182,21 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
         assert torch.equal(a, b)
 
 
+def test_pipeline_segments_rule(monkeypatch):
+    """``TUNING["fwd_segments"] = "auto"`` (and ``bwd``): 4 segments only for a dense batch with B·H <= 16 and at
+    least 1024 chunks a sequence forward, 512 backward; one for varlen batches and single chunks; a number given in
+    TUNING is used as given."""
+    from k3lit.kernels.kda import chunk
+
+    seg = chunk._segments
+    assert [seg("fwd", 1, 16, T, 32, None) for T in (16384, 32768, 65536)] == [1, 4, 4]
+    assert [seg("bwd", 1, 16, T, 32, None) for T in (8192, 16384, 32768)] == [1, 4, 4]
+    assert seg("fwd", 2, 16, 65536, 32, None) == seg("bwd", 1, 96, 65536, 32, None) == 1  # B·H > 16
+    assert seg("fwd", 1, 16, 65536, 32, torch.tensor([0, 65536])) == 1
+    monkeypatch.setitem(chunk.TUNING, "fwd_segments", 3)
+    assert seg("fwd", 8, 16, 2048, 32, None) == 3 and seg("fwd", 8, 16, 32, 32, None) == 1
+
+
 @pytest.mark.parametrize("segments", [1, 2])
 def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     """The plain forward scan writing the output itself (``TUNING["fwd_plain_out"] = "fused"``), with a backward
@@ -199,14 +214,15 @@ def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
 
 
-@pytest.mark.parametrize("variant", [dict(wy_g="recomputed"), dict(fwd_prep="fused", wy_bk=16, wy_bv=16)])
+@pytest.mark.parametrize("variant", [dict(fwd_prep="split", wy_g="recomputed"),
+                                     dict(fwd_prep="fused", wy_bk=16, wy_bv=16)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_forward_forming_g_twice(seed, monkeypatch, variant, fused):
-    """``TUNING["wy_g"] = "recomputed"``: ``_wy_fwd`` forms G itself from g (or the fused gate's e and bias) and,
-    with no backward to follow, ``_intra_fwd`` stores only each chunk's last row of G; ``fwd_prep = "fused"``: both
-    in one kernel (``_prep_fwd``, here in 16-wide steps at K = 24, V = 16: the blocked loops and their masks).
-    Against the reference with and without a backward (varlen, a partial last chunk), and only those rows written
-    without one."""
+    """``TUNING["wy_g"] = "recomputed"`` (with ``fwd_prep = "split"``): ``_wy_fwd`` forms G itself from g (or the
+    fused gate's e and bias) and, with no backward to follow, ``_intra_fwd`` stores only each chunk's last row of G;
+    ``fwd_prep = "fused"`` (the default): both in one kernel (``_prep_fwd``, here in 16-wide steps at K = 24,
+    V = 16: the blocked loops and their masks). Against the reference with and without a backward (varlen, a
+    partial last chunk), and only those rows written without one."""
     from k3lit.kernels.kda import chunk, kda_triton
 
     for key, value in variant.items():
@@ -227,65 +243,25 @@ def test_forward_forming_g_twice(seed, monkeypatch, variant, fused):
     assert written.nonzero().flatten().tolist() == last
 
 
-@pytest.mark.parametrize("case", ["dense", "varlen", "gate min", "gate zero", "fused"])
-def test_inference_in_64_token_chunks(seed, scan_layout, monkeypatch, case):
-    """``TUNING["inference_chunk"] = 64``: without a backward, chunks of 64 tokens made of two 32-row halves
-    (``_prep64_fwd``; the scans and output kernel at C = 64), against the float64 reference: T with a last chunk
-    above and below 32 rows (100, 150), varlen with lengths 1, 32, 33, 64, 65, the gate pinned at g_min (exponents
-    at their bound in both halves) and at 0 (no decay: the coupling of the halves at full strength), the fused gate
-    and L2 norm. With a backward to follow, C stays 32."""
-    from k3lit.kernels.kda import chunk, kda_triton
-
-    monkeypatch.setitem(chunk.TUNING, "inference_chunk", 64)
-    cs = []
-    launch = chunk._prep64_fwd
-
-    class Spy:
-        def __getitem__(self, grid, cs=cs, launch=launch):
-            cs.append(grid)
-            return launch[grid]
-
-    monkeypatch.setattr(chunk, "_prep64_fwd", Spy())
-    cu, kw = None, {}
-    if case == "varlen":
-        lens = [1, 32, 33, 64, 65]
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV)
-        q, k, v, g, beta, h0 = make_inputs(1, sum(lens), 2, 24, 16, N=len(lens))
-    else:
-        q, k, v, g, beta, h0 = make_inputs(2, 150 if case == "dense" else 100, 2, 24, 16,
-                                           gate={"gate min": "min", "gate zero": "zero"}.get(case, "random"))
-    ref_q, ref_k, ref_g = q.double(), k.double(), g.double()
-    if case == "fused":
-        q, k = q * 3, k * 0.5  # unnormalised: the kernel normalises
-        e, bias = torch.randn_like(g) * 2, torch.randn(2 * 24, device=DEV)
-        kw = dict(use_gate_in_kernel=True, gate_bias=bias, use_qk_l2norm_in_kernel=True)
-        ref_q, ref_k = F.normalize(q.double(), dim=-1), F.normalize(k.double(), dim=-1)
-        ref_g = -5.0 * torch.sigmoid(e.double() + bias.double().view(2, 24))
-        g = e
-    with torch.no_grad():
-        o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu, **kw)
-    assert cs, "the 64-token chunks were not used"
-    o_r, ht_r = kda_reference(ref_q, ref_k, v.double(), ref_g, beta.double(), None, h0.double(), True, cu)
-    assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
-    cs.clear()
-    kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
-    assert not cs  # a backward can follow: 32-token chunks
-
-
+@pytest.mark.parametrize("prep", ["fused", "split"])
 @pytest.mark.parametrize("save", [True, False])
-def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout, save):
-    """``chunk_fwd(save=False)`` leaves M unwritten (Mi keeps L, zero on the diagonal, where M has ones) and, on the
-    transposed scan, the per-chunk states and Delta (NaN: every buffer starts NaN here); with ``save`` all are
-    written. The plain scan's output kernel reads the states, so it writes them either way."""
+def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout, monkeypatch, prep, save):
+    """``chunk_fwd(save=False)`` leaves M unwritten (NaN: every buffer starts NaN here; split, Mi keeps L, zero on
+    the diagonal, where M has ones) and, on the transposed scan, the per-chunk states and Delta; with ``save`` all
+    are written. The plain scan's output kernel reads the states, so it writes them either way."""
     from k3lit.kernels.kda import chunk
 
+    monkeypatch.setitem(chunk.TUNING, "fwd_prep", prep)
     q, k, v, g, beta, _ = make_inputs(1, 70, 2, 16, 24)
     NC = 3  # chunks of 32 in T = 70
     _, _, _, _, Mi, _, _, _, h, D, _ = chunk.chunk_fwd(q, k, v, g, beta, 16**-0.5, None, True, None, 32,
                                                       qk_l2norm=True, save=save)
     rows = Mi[0, :, 0, :]  # [T, C]: row t of its chunk's matrix
     diag = rows[torch.arange(70), torch.arange(70) % 32]
-    assert torch.equal(diag, torch.full_like(diag, 1.0 if save else 0.0))
+    if save or prep == "split":
+        assert torch.equal(diag, torch.full_like(diag, 1.0 if save else 0.0))
+    else:
+        assert bool(Mi.isnan().all())
     written = save or scan_layout == "plain"
     assert bool(h[:NC].isfinite().all()) == written and bool(D.isfinite().all()) == written
 
@@ -721,8 +697,8 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
-                                     dict(wy_g="recomputed"), dict(fwd_prep="fused", prep_warps=2, wy_bk=32, wy_bv=32),
-                                     dict(fwd_prep="fused", prep_warps=1, wy_bk=32, wy_bv=32)])
+                                     dict(fwd_prep="split"), dict(fwd_prep="split", wy_g="recomputed"),
+                                     dict(fwd_prep="fused", prep_warps=2)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
     """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
@@ -737,24 +713,6 @@ def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
         assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})
     else:
         assert_errors(run_both(make_inputs(1, 1000, 2, D, D, dtype=torch.bfloat16, device="cuda")), TOL_BF16)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("gate", ["random", "zero"])
-@pytest.mark.parametrize("segments", [1, 4])
-def test_gpu_inference_in_64_token_chunks(seed, scan_layout, monkeypatch, gate, segments):
-    """``TUNING["inference_chunk"] = 64`` (as ``kda_breakdown.py``'s sweep runs it), bf16, with and without pipeline
-    segments, a last chunk of 40 rows: o and the final state within docs/MATH.md's tolerances."""
-    from k3lit.kernels.kda import chunk, kda_triton
-
-    for key, value in dict(inference_chunk=64, prep_warps=4, wy_bk=32, wy_bv=32, fwd_segments=segments).items():
-        monkeypatch.setitem(chunk.TUNING, key, value)
-    q, k, v, g, beta, h0 = make_inputs(2, 1000, 4, 128, 128, dtype=torch.bfloat16, gate=gate, device="cuda")
-    with torch.no_grad():
-        o, ht = kda_triton(q, k, v, g, beta, None, h0, True)
-    o_r, ht_r = kda_reference(q.double(), k.double(), v.double(), g.double(), beta.double(), None, h0.double(), True)
-    assert_errors({"o": rel_rms(o, o_r), "ht": rel_rms(ht, ht_r)}, TOL_BF16)
 
 
 def test_benchmark_input_variants_agree(seed):

@@ -31,15 +31,13 @@ def test_all_kernels_compile_for_sm90(tmp_path):
         "KDA K=V=256": (*plain_fwd, "_scan_bwd"),
         "KDA K=V=128, float32 inputs (3xTF32 products)": (*plain_fwd, "_scan_bwd"),
     }
-    kda_other = ("_intra_fwd", "_wy_fwd", "_main_bwd", "_fused_recurrent_fwd")
+    kda_other = ("_prep_fwd", "_main_bwd", "_fused_recurrent_fwd")
     expected = {(c, n) for c, scans in kda_scans.items() for n in (*scans, *kda_other)}
     expected |= {("KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)", n) for n in (*plain_fwd, "_scan_bwd")}
     expected |= {("KDA K=V=128, B1 H96 (transposed scans)", n) for n in (*transposed_fwd, "_scan_bwd_t")}
     expected |= {("KDA K=V=128, no backward, wy_g recomputed, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
-    expected |= {("KDA K=V=128, no backward, intra and wy in one kernel (2 warps, 32-wide steps)", "_prep_fwd")}
-    expected |= {("KDA K=V=128, 64-token inference chunks (4 warps, 32-wide steps)", n)
-                 for n in ("_prep64_fwd", "_scan_fwd_t")}
+    expected |= {("KDA K=V=128, intra and wy in two kernels", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=128, pipeline segments", n) for n in ("_out_fwd", "_main_bwd")}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
