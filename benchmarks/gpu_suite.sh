@@ -2,8 +2,9 @@
 # The GPU measurements behind benchmarks/RESULTS.md, in the order that keeps the GPU free for every timing: the
 # GPU tests and fla's compile workers first (they share the GPU, but time nothing), then each benchmark alone. Each
 # benchmark writes its own RESULTS.md section; logs go to $LOGS. The steps other than the sweep took about 9-10
-# minutes on one H200 when run one by one in sessions 4-5, and the sweep has not run at its present size; a device
-# call allows 10 minutes, so name the steps to run in each call (and write the logs where the call returns files):
+# minutes on one H200 when run one by one in sessions 4-5 (tests 3.5 minutes, kda with its workers ~8.5 in session
+# 9); a device call allows 10 minutes, so name the steps to run in each call (and write the logs where the call
+# returns files):
 #
 #   bash benchmarks/gpu_suite.sh                      # every step, from the repository root (k3lit, fla importable)
 #   bash benchmarks/gpu_suite.sh tests                # only these steps
@@ -11,9 +12,10 @@
 #
 # Steps: tests (GPU tests of kernels, model, nn), kda (section "KDA kernels", with fla; starts six fla compile
 # workers beside the tests, twelve ran a 140 GB H200 out of memory), fused ("KDA with fused gate and q/k L2 norm"),
-# sweep (the forward alternatives of chunk.TUNING not yet timed on a GPU, kda_breakdown.FORWARD_VARIANTS: pipeline
-# segments, fewer bytes, one-kernel intra + WY, 64-token inference chunks, 32-wide forward blocks; to
-# $LOGS/kda_sweep.json, rewritten after each shape; $LOGS/kda_sweep.log has each line as it is timed), attnres
+# sweep (the forward alternatives of chunk.TUNING around the defaults, kda_breakdown.FORWARD_VARIANTS: the split
+# per-chunk kernels, the one kernel's warps and steps, bf16 U, the scan writing the output, pipeline segments forced
+# on and off; to $LOGS/kda_sweep.json, rewritten after each shape; $LOGS/kda_sweep.log has each line as it is timed;
+# 18 variants at 8 shapes took ~4 minutes in session 9), attnres
 # ("Attention residuals × checkpointing (<GPU>, 300m, batch 8)"), mix ("Attention residuals: depth-mix kernel
 # (<GPU>)"), throughput ($LOGS/throughput_small.json; write its section with `python benchmarks/throughput.py
 # --from_json ...`).
