@@ -21,10 +21,11 @@ benchmarks/kda.py and benchmarks/triton_warm.py); run P of them before the timin
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -172,13 +173,18 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
 
 def table(paths: list[str]) -> str:
     """A markdown table of the sweeps stored by ``--json`` in ``paths``: a row per variant (each file's in its
-    order, the default once per file, named by the file), a column per shape, each cell ``fwd / f+b`` median ms with
-    the fastest forward and forward+backward of each shape (over all files) in bold; shapes missing in a file are
-    blank."""
-    runs = [(os.path.basename(p), json.load(open(p))["sweep"]) for p in paths]
+    order; a variant in several files, such as the default, named by the file too), a column per shape, each cell
+    ``fwd / f+b`` median ms with the fastest forward and forward+backward of each shape (over all files) in bold;
+    shapes missing in a file are blank."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append((os.path.basename(path), json.load(f)["sweep"]))
     shapes = list(dict.fromkeys(s for _, r in runs for s in r))
-    rows = [(f"{label} ({name})" if label == "default" else label, {s: r[s].get(label) for s in r})
-            for name, r in runs for label in dict.fromkeys(v for s in r for v in r[s])]
+    labels = [(name, r, list(dict.fromkeys(v for s in r for v in r[s]))) for name, r in runs]
+    count = Counter(label for _, _, ls in labels for label in ls)
+    rows = [(f"{label} ({name})" if count[label] > 1 else label, {s: r[s].get(label) for s in r})
+            for name, r, ls in labels for label in ls]
     best = {s: [min(c[s][k] for _, c in rows if c.get(s)) for k in ("fwd", "fb")] for s in shapes}
 
     def cell(x: dict | None, s: str) -> str:
@@ -186,7 +192,7 @@ def table(paths: list[str]) -> str:
             return ""
         return " / ".join(f"**{x[k]:.2f}**" if x[k] == b else f"{x[k]:.2f}" for k, b in zip(("fwd", "fb"), best[s]))
 
-    head = "| variant | " + " | ".join("B{} T{} H{} D{}".format(*eval(s)) for s in shapes) + " |"
+    head = "| variant | " + " | ".join("B{} T{} H{} D{}".format(*ast.literal_eval(s)) for s in shapes) + " |"
     lines = [head, "|---" * (len(shapes) + 1) + "|"]
     lines += ["| " + label + " | " + " | ".join(cell(c.get(s), s) for s in shapes) + " |" for label, c in rows]
     return "\n".join(lines)
