@@ -59,6 +59,8 @@ SWEEP = {
     "prep 2 warps": dict(prep_warps=2),
     "prep bk64": dict(wy_bk=64, wy_bv=64),
     "prep bk32 bv64": dict(wy_bv=64),
+    "prep bk16": dict(wy_bk=16, wy_bv=16),
+    "prep bk16 bv32": dict(wy_bk=16),
     "u work dtype": dict(u_dtype="work"),
     "fwd plain fused out": dict(fwd_scan="plain", fwd_plain_out="fused"),
     "u work, fwd plain fused out": dict(u_dtype="work", fwd_scan="plain", fwd_plain_out="fused"),
@@ -70,10 +72,11 @@ SWEEP = {
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
 #: The forward's alternatives around session 9's defaults: the per-chunk work split in two kernels, the one kernel's
-#: warps and steps, fewer bytes, the scan writing the output, pipeline segments forced on and off.
+#: warps and steps (16-wide steps compile spill-free offline, at 232-242 registers: still 8 blocks per SM), fewer
+#: bytes, the scan writing the output, pipeline segments forced on and off. Not yet timed as a group.
 FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps", "prep bk64", "prep bk32 bv64",
-                    "u work dtype", "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4",
-                    "segments 8", "bwd segments 4"]
+                    "prep bk16", "prep bk16 bv32", "u work dtype", "fwd plain fused out", "u work, fwd plain fused out",
+                    "no segments", "segments 4", "segments 8", "bwd segments 4"]
 #: ``--variants`` group names.
 VARIANT_GROUPS = {"forward": FORWARD_VARIANTS}
 
