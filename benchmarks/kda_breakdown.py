@@ -61,6 +61,8 @@ SWEEP = {
     "prep bk32 bv64": dict(wy_bv=64),
     "prep bk16": dict(wy_bk=16, wy_bv=16),
     "prep bk16 bv32": dict(wy_bk=16),
+    "prep 2 passes": dict(prep_passes=2),
+    "prep 2 passes bk16": dict(prep_passes=2, wy_bk=16, wy_bv=16),
     "u work dtype": dict(u_dtype="work"),
     "fwd plain fused out": dict(fwd_scan="plain", fwd_plain_out="fused"),
     "u work, fwd plain fused out": dict(u_dtype="work", fwd_scan="plain", fwd_plain_out="fused"),
@@ -70,13 +72,15 @@ SWEEP = {
     "bwd segments 4": dict(bwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
-BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
+BIT_IDENTICAL = {"fwd_segments", "bwd_segments", "prep_passes"}
 #: The forward's alternatives around session 9's defaults: the per-chunk work split in two kernels, the one kernel's
-#: warps and steps (16-wide steps compile spill-free offline, at 232-242 registers: still 8 blocks per SM), fewer
-#: bytes, the scan writing the output, pipeline segments forced on and off. Not yet timed as a group.
+#: warps, steps and passes (offline: 16-wide steps spill-free at 232-242 registers, still 8 blocks per SM; two passes
+#: in 16-wide steps 168 registers without a backward, 12 blocks per SM), fewer bytes, the scan writing the output,
+#: pipeline segments forced on and off. Not yet timed as a group.
 FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps", "prep bk64", "prep bk32 bv64",
-                    "prep bk16", "prep bk16 bv32", "u work dtype", "fwd plain fused out", "u work, fwd plain fused out",
-                    "no segments", "segments 4", "segments 8", "bwd segments 4"]
+                    "prep bk16", "prep bk16 bv32", "prep 2 passes", "prep 2 passes bk16", "u work dtype",
+                    "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4", "segments 8",
+                    "bwd segments 4"]
 #: ``--variants`` group names.
 VARIANT_GROUPS = {"forward": FORWARD_VARIANTS}
 

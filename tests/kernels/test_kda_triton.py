@@ -182,6 +182,34 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_prep_in_two_passes_is_bit_identical(seed, monkeypatch, fused):
+    """``TUNING["prep_passes"] = 2`` (Aq in one pass over the key columns, A in a second) sums the same terms in the
+    same order as one pass: o, the final state and every gradient are bit-identical, with and without the fused
+    gate and q/k L2 norm, on a varlen batch with a partial chunk and K = 40 (three 16-wide steps, the last masked)."""
+    from k3lit.kernels.kda import chunk, kda_triton
+
+    cu = torch.tensor([0, 9, 80], device=DEV)
+    q, k, v, g, beta, h0 = make_inputs(1, 80, 2, 40, 24, N=2)
+    kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * 40, device=DEV),
+              use_qk_l2norm_in_kernel=True) if fused else {}
+    if fused:
+        q, k, g = q * 3, k * 0.5, torch.randn_like(g)
+    do = torch.randn_like(v)
+    results = []
+    for passes in (1, 2):
+        for key, value in dict(prep_passes=passes, wy_bk=16, wy_bv=16).items():
+            monkeypatch.setitem(chunk.TUNING, key, value)
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = kda_triton(*xs[:5], None, xs[5], True, cu, **kw)
+        (o * do).sum().add(ht.square().sum()).backward()
+        with torch.no_grad():
+            o_inf, ht_inf = kda_triton(*xs[:5], None, xs[5], True, cu, **kw)
+        results.append([o, ht, o_inf, ht_inf, *(x.grad for x in xs)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_pipeline_segments_rule(monkeypatch):
     """``TUNING["fwd_segments"] = "auto"`` (and ``bwd``): 4 segments only for a dense batch with B·H <= 16 and at
     least 1024 chunks a sequence forward, 512 backward; one for varlen batches and single chunks; a number given in
@@ -698,7 +726,7 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 @gpu
 @pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
                                      dict(fwd_prep="split"), dict(fwd_prep="split", wy_g="recomputed"),
-                                     dict(fwd_prep="fused", prep_warps=2)])
+                                     dict(fwd_prep="fused", prep_warps=2), dict(prep_passes=2, wy_bk=16, wy_bv=16)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
     """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
