@@ -148,7 +148,7 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
             try:
                 o, _ = ours(*xs)
                 grads = torch.autograd.grad(o, xs, do)
-                with torch.no_grad():  # the forward that the fwd column times (no saves; 64-token chunks)
+                with torch.no_grad():  # the forward that the fwd column times (no saves)
                     got = [o, *grads, ours(*xs)[0]]
                 if ref is None:
                     ref = got
@@ -164,7 +164,7 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 print(f"sweep {label} {(B, T, H, D)}: failed {exc!r}"[:300], flush=True)
                 continue
-            # pipeline segments change no sum: anything but bit-identical results is a bug
+            # pipeline segments and two-pass prep change no sum: anything but bit-identical results is a bug
             wrong = set(upd) <= BIT_IDENTICAL and (err != 0 or err_fwd != 0)
             report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(
                 fwd=f, fb=fb, diff=err, diff_fwd=err_fwd, fwd_kernels=ks, wrong=wrong)

@@ -200,7 +200,6 @@ def _intra_chunk(
         tl.store(rnq + tok * H + i_h, r_q, mask=m_t)
         tl.store(rnk + tok * H + i_h, r_k, mask=m_t)
     else:
-        r_q = tl.full([C], 1.0, dtype=tl.float32)
         r_k = tl.full([C], 1.0, dtype=tl.float32)
     if TWO_PASS:
         B_qk = tl.zeros([C, C], dtype=tl.float32)
@@ -226,6 +225,8 @@ def _intra_chunk(
         # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
         L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
     else:
+        # The one-pass loop spells out what _key_tiles forms, in this order: written with _key_tiles (either store
+        # order), ptxas spilled more on sm_90a (gate + L2 norm 156 -> 192 B a thread, split _intra_fwd 196 -> 220)
         A = tl.zeros([C, C], dtype=tl.float32)
         B_qk = tl.zeros([C, C], dtype=tl.float32)
         for kb in range(0, K, BK):
@@ -901,6 +902,16 @@ def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tens
     return P if cu_seqlens is None and n > 1 else 1
 
 
+def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None, cidx: torch.Tensor,
+                  NC: int, device: torch.device) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
+    """The chunk table and ``((row_lo, row_hi, it_lo, it_hi), ...)`` segments the ``"fwd"`` or ``"bwd"`` launches
+    run over: :func:`_segment_table` for :func:`_segments` > 1, else ``cidx`` whole, its chunks unbounded."""
+    P = _segments(which, B, H, T, C, cu_seqlens)
+    if P == 1:
+        return cidx, ((0, NC, 0, 2**31 - 1),)
+    return _segment_table(B, triton.cdiv(T, C), P, device)
+
+
 @functools.lru_cache(maxsize=64)
 def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stream: int
                           ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
@@ -1073,10 +1084,7 @@ def chunk_fwd(
     step = 32 if TUNING["fwd_prep"] == "fused" else 64  # the WY step when TUNING leaves it None
     BKw, BVw = min(TUNING["wy_bk"] or step, _pow2(K)), min(TUNING["wy_bv"] or step, _pow2(V))
     fus = dict(H=H, K=K, C=C, F32=F32, GATE=gate, L2=qk_l2norm)
-    table, segs = cidx, ((0, NC, 0, 2**31 - 1),)
-    P = _segments("fwd", B, H, T, C, cu_seqlens)
-    if P > 1:
-        table, segs = _segment_table(B, triton.cdiv(T, C), P, q.device)
+    table, segs = _segment_plan("fwd", B, H, T, C, cu_seqlens, cidx, NC, q.device)
     with _pipeline(q.device, len(segs)) as (main, side):
         for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
             rows = table[r0:r1]
@@ -1152,10 +1160,7 @@ def chunk_bwd(
     gate = g_min is not None
     rnq, rnk = Rn if qk_l2norm else (None, None)
     bias = _bias(gate_bias, gate, H * K, q.device)
-    table, segs = cidx, ((0, NC, 0, 2**31 - 1),)
-    P = _segments("bwd", B, H, T, C, cu_seqlens)
-    if P > 1:
-        table, segs = _segment_table(B, triton.cdiv(T, C), P, q.device)
+    table, segs = _segment_plan("bwd", B, H, T, C, cu_seqlens, cidx, NC, q.device)
     BVb = min(TUNING["main_bwd_bv"] or (32 if V > 128 else 64), _pow2(V))
     with _pipeline(q.device, len(segs)) as (main, side):
         for i, (r0, r1, it_lo, it_hi) in reversed(list(enumerate(segs))):
