@@ -61,8 +61,9 @@ SWEEP = {
     "prep bk32 bv64": dict(wy_bv=64),
     "prep bk16": dict(wy_bk=16, wy_bv=16),
     "prep bk16 bv32": dict(wy_bk=16),
-    "prep 2 passes": dict(prep_passes=2),
-    "prep 2 passes bk16": dict(prep_passes=2, wy_bk=16, wy_bv=16),
+    "inverse by substitution": dict(inverse_block=32),
+    "inverse 8": dict(inverse_block=8),
+    "inverse 4": dict(inverse_block=4),
     "u work dtype": dict(u_dtype="work"),
     "fwd plain fused out": dict(fwd_scan="plain", fwd_plain_out="fused"),
     "u work, fwd plain fused out": dict(u_dtype="work", fwd_scan="plain", fwd_plain_out="fused"),
@@ -72,17 +73,22 @@ SWEEP = {
     "bwd segments 4": dict(bwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
-BIT_IDENTICAL = {"fwd_segments", "bwd_segments", "prep_passes"}
+BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
 #: The forward's alternatives around session 9's defaults: the per-chunk work split in two kernels, the one kernel's
 #: warps, steps and passes (offline: 16-wide steps spill-free at 232-242 registers, still 8 blocks per SM; two passes
 #: in 16-wide steps 168 registers without a backward, 12 blocks per SM), fewer bytes, the scan writing the output,
 #: pipeline segments forced on and off. Not yet timed as a group.
 FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps", "prep bk64", "prep bk32 bv64",
-                    "prep bk16", "prep bk16 bv32", "prep 2 passes", "prep 2 passes bk16", "u work dtype",
+                    "prep bk16", "prep bk16 bv32", "u work dtype",
                     "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4", "segments 8",
                     "bwd segments 4"]
+#: The inverse's diagonal blocks (``inverse_block``, default 16) around session 10's defaults: the plain substitution
+#: (session 9's kernel), 8- and 4-wide blocks (fewer dependent steps, more doublings). Offline (sm_90a, B8 T2048 H16
+#: D128, no backward) _prep_fwd ran ~22.5k instructions a chunk and head by substitution, ~18.9k with 16-wide
+#: blocks, ~18.1k with 8-wide; the H200 sweep of session 10 (kda_sweep_h200_inverse.json) found 16 the fastest.
+INVERSE_VARIANTS = ["inverse by substitution", "inverse 8", "inverse 4"]
 #: ``--variants`` group names.
-VARIANT_GROUPS = {"forward": FORWARD_VARIANTS}
+VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS}
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -164,7 +170,7 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 print(f"sweep {label} {(B, T, H, D)}: failed {exc!r}"[:300], flush=True)
                 continue
-            # pipeline segments and two-pass prep change no sum: anything but bit-identical results is a bug
+            # pipeline segments change no sum: anything but bit-identical results is a bug
             wrong = set(upd) <= BIT_IDENTICAL and (err != 0 or err_fwd != 0)
             report.setdefault("sweep", {}).setdefault(str((B, T, H, D)), {})[label] = dict(
                 fwd=f, fb=fb, diff=err, diff_fwd=err_fwd, fwd_kernels=ks, wrong=wrong)

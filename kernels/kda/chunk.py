@@ -96,12 +96,32 @@ def _row(x, rows, i):
 
 
 @triton.jit
-def _substitute_row(L, X, rows, i):
-    """One step of the forward substitution for X = (I + L)^-1, L strictly lower ``[C, C]``: row ``i`` of X becomes
-    e_i - sum_{j<i} L_ij X_j (rows below i still the identity's, so the sum may run over all rows)."""
-    l_i = _row(L, rows, i)
-    x_i = tl.where(rows == i, 1.0, -tl.sum(l_i[:, None] * X, axis=0))
-    return tl.where((rows == i)[:, None], x_i[None, :], X)
+def _inverse(L, rows, C: tl.constexpr, BLOCK: tl.constexpr):
+    """M = (I + L)^-1 of a strictly lower ``[C, C]`` float32 tile L, blockwise (BLOCK a power of two <= C).
+
+    1. The ``BLOCK``-wide diagonal blocks by forward substitution, every block at once: at step s the s-th row r of
+       each block becomes e_r - sum_{j<r} L_rj X_j. As X and the blocks' L are block-diagonal, one row extraction
+       and one reduction over the tile serve all blocks: ``BLOCK - 1`` dependent steps instead of ``C - 1``.
+    2. Doubling: with D the inverse of the b-wide blocks and N the entries of L between the two halves of each
+       2b-wide block, I + L_2b = (I + L_b)(I + D N) and (D N)^2 = 0, so (I + L_2b)^-1 = D - D N D: two products,
+       in 3xTF32 (float32 accuracy), per doubling. This is the recursive blocked triangular inversion (Higham,
+       Accuracy and Stability of Numerical Algorithms, 2nd ed., §14.2), as stable as the substitution."""
+    r = rows[:, None]
+    c = rows[None, :]
+    X = (r == c).to(tl.float32)
+    same = (r // BLOCK) == (c // BLOCK)
+    Lb = tl.where(same, L, 0.0)
+    for s in range(1, BLOCK):
+        sel = (rows % BLOCK) == s
+        l_s = tl.sum(tl.where(sel[:, None], Lb, 0.0), axis=0)  # column j: L of the row of j's block being formed
+        y = -tl.sum(l_s[:, None] * X, axis=0)  # column c: the new row of c's block, at c (X block-diagonal)
+        X = tl.where(sel[:, None] & same & (r != c), y[None, :], X)
+    for lvl in tl.static_range(6):
+        if (BLOCK << lvl) < C:
+            N = tl.where((r // (BLOCK << (lvl + 1)) == c // (BLOCK << (lvl + 1))) & (r // (BLOCK << lvl) != c // (BLOCK << lvl)),
+                         L, 0.0)
+            X -= tl.dot(X, tl.dot(N, X, input_precision="tf32x3"), input_precision="tf32x3")
+    return X
 
 
 @triton.jit
@@ -165,34 +185,14 @@ def _global_chunk(coff, cidx, i_c, i_n, SEGMENT: tl.constexpr):
 
 
 @triton.jit
-def _key_tiles(k, g, bias, g_min, r_k, i_h, rows, m_t, tok, kb, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-               BK: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr):
-    """Key columns ``[kb, kb + BK)`` of a chunk: ``(msk, off, G, up, dn, k)``, the ``[C, BK]`` mask and offsets,
-    G = cumsum(g) (float32), its exponentials rebased on the middle row R, exp(G - G_R) and exp(G_R - G)
-    (|exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite), and the keys (normalised with ``L2``)."""
-    R: tl.constexpr = (C - 1) // 2
-    cols = kb + tl.arange(0, BK)
-    msk = m_t[:, None] & (cols < K)[None, :]
-    off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-    b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-    b_Gr = _row(b_G, rows, R)
-    b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
-    if L2:
-        b_k *= r_k[:, None]
-    return msk, off, b_G, tl.exp(b_G - b_Gr[None, :]), tl.exp(b_Gr[None, :] - b_G), b_k
-
-
-@triton.jit
 def _intra_chunk(
     k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t, tok,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
-    L2: tl.constexpr, GC_ALL: tl.constexpr, TWO_PASS: tl.constexpr,
+    L2: tl.constexpr, GC_ALL: tl.constexpr,
 ):
     """The per-chunk work of :func:`_intra_fwd` for the chunk of ``n_valid`` tokens from ``t0`` (rows ``rows``,
     mask ``m_t``, token indices ``tok``): stores G, Aq, Kd, Qg (and the reciprocal norms with ``L2``); returns
-    ``(L [C, C], r_k [C])``, r_k the keys' reciprocal norms (ones without ``L2``). ``TWO_PASS``: Aq in a first
-    pass over the key columns and A in a second (k and g read twice, the second time mostly from cache), so that
-    one ``[C, C]`` accumulator is live instead of two; the same sums in the same order, so the same bits."""
+    ``(L [C, C], r_k [C])``, r_k the keys' reciprocal norms (ones without ``L2``)."""
     R: tl.constexpr = (C - 1) // 2
     if L2:
         r_q = _rnorm(q, tok, i_h, m_t, H, K, C, BK)
@@ -201,59 +201,34 @@ def _intra_chunk(
         tl.store(rnk + tok * H + i_h, r_k, mask=m_t)
     else:
         r_k = tl.full([C], 1.0, dtype=tl.float32)
-    if TWO_PASS:
-        B_qk = tl.zeros([C, C], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            msk, off, b_G, up, dn, b_k = _key_tiles(k, g, bias, g_min, r_k, i_h, rows, m_t, tok, kb, H, K, C, BK,
-                                                    GATE, L2)
-            b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
-            if L2:
-                b_q *= r_q[:, None]
-            tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
-            B_qk += _dot_aq(_tf32(b_q * up, F32), tl.trans(_tf32(b_k * dn, F32)), F32)
-        tl.store(Aq + _cc_offsets(tok, i_h, rows, H, C),
-                 _tf32(tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale, F32), mask=m_t[:, None])
-        A = tl.zeros([C, C], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            msk, off, b_G, up, dn, b_k = _key_tiles(k, g, bias, g_min, r_k, i_h, rows, m_t, tok, kb, H, K, C, BK,
-                                                    GATE, L2)
-            tl.store(Gc + off, b_G, mask=msk if GC_ALL else msk & (rows == n_valid - 1)[:, None])
-            g_last = _row(b_G, rows, n_valid - 1)
-            tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
-            A += _dot(_op(b_k * up, F32), tl.trans(_op(b_k * dn, F32)), F32)
-        b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
-        L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
-    else:
-        # The one-pass loop spells out what _key_tiles forms, in this order: written with _key_tiles (either store
-        # order), ptxas spilled more on sm_90a (gate + L2 norm 156 -> 192 B a thread, split _intra_fwd 196 -> 220)
-        A = tl.zeros([C, C], dtype=tl.float32)
-        B_qk = tl.zeros([C, C], dtype=tl.float32)
-        for kb in range(0, K, BK):
-            cols = kb + tl.arange(0, BK)
-            msk = m_t[:, None] & (cols < K)[None, :]
-            off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-            b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-            tl.store(Gc + off, b_G, mask=msk if GC_ALL else msk & (rows == n_valid - 1)[:, None])
-            b_Gr = _row(b_G, rows, R)
-            up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
-            dn = tl.exp(b_Gr[None, :] - b_G)
-            b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
-            b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
-            if L2:
-                b_k *= r_k[:, None]
-                b_q *= r_q[:, None]
-            g_last = _row(b_G, rows, n_valid - 1)
-            tl.store(Kd + off, (b_k * tl.exp(g_last[None, :] - b_G)).to(Kd.dtype.element_ty), mask=msk)
-            tl.store(Qg + off, (b_q * tl.exp(b_G) * scale).to(Qg.dtype.element_ty), mask=msk)
-            b_kdn = b_k * dn
-            A += _dot(_op(b_k * up, F32), tl.trans(_op(b_kdn, F32)), F32)
-            B_qk += _dot_aq(_tf32(b_q * up, F32), tl.trans(_tf32(b_kdn, F32)), F32)
-        b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-        # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
-        L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
-        B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
-        tl.store(Aq + _cc_offsets(tok, i_h, rows, H, C), _tf32(B_qk, F32), mask=m_t[:, None])
+    A = tl.zeros([C, C], dtype=tl.float32)
+    B_qk = tl.zeros([C, C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        msk = m_t[:, None] & (cols < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
+        b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
+        tl.store(Gc + off, b_G, mask=msk if GC_ALL else msk & (rows == n_valid - 1)[:, None])
+        b_Gr = _row(b_G, rows, R)
+        up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
+        dn = tl.exp(b_Gr[None, :] - b_G)
+        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
+        if L2:
+            b_k *= r_k[:, None]
+            b_q *= r_q[:, None]
+        g_last = _row(b_G, rows, n_valid - 1)
+        # exp(G_last - G) = dn exp(G_last - G_R) and exp(G) = up exp(G_R): two exponentials of the tile, not four
+        tl.store(Kd + off, (b_k * dn * tl.exp(g_last - b_Gr)[None, :]).to(Kd.dtype.element_ty), mask=msk)
+        tl.store(Qg + off, (b_q * up * (tl.exp(b_Gr) * scale)[None, :]).to(Qg.dtype.element_ty), mask=msk)
+        b_kdn = b_k * dn
+        A += _dot(_op(b_k * up, F32), tl.trans(_op(b_kdn, F32)), F32)
+        B_qk += _dot_aq(_tf32(b_q * up, F32), tl.trans(_tf32(b_kdn, F32)), F32)
+    b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
+    L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
+    B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
+    tl.store(Aq + _cc_offsets(tok, i_h, rows, H, C), _tf32(B_qk, F32), mask=m_t[:, None])
     return L, r_k
 
 
@@ -262,12 +237,11 @@ def _wy_chunk(
     L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_G: tl.constexpr,
+    INV_BLOCK: tl.constexpr,
 ):
     """The per-chunk work of :func:`_wy_fwd` from the chunk's L (``[C, C]``) and keys' reciprocal norms ``r_k``:
     M (stored to ``Mi`` when ``SAVE``), W and U."""
-    X = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, C):
-        X = _substitute_row(L, X, rows, i)
+    X = _inverse(L, rows, C, INV_BLOCK)
     if SAVE:
         tl.debug_barrier()  # every thread has read L (which _wy_fwd loads from Mi) before M overwrites it
         tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), X, mask=m_t[:, None])
@@ -309,7 +283,7 @@ def _intra_fwd(
     with ``GC_ALL``, else only the chunk's last (the scans' G_last; :func:`_wy_fwd` then forms G itself)."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L, _ = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
-                        tok, H, K, C, BK, F32, GATE, L2, GC_ALL, False)
+                        tok, H, K, C, BK, F32, GATE, L2, GC_ALL)
     tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), L, mask=m_t[:, None])  # _wy_fwd replaces L by M
 
 
@@ -318,6 +292,7 @@ def _wy_fwd(
     k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, g, bias, g_min,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_G: tl.constexpr,
+    INV_BLOCK: tl.constexpr,
 ):
     """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi`` and the G it stored in
     ``Gc`` (or, with ``RECOMPUTE_G``, G formed again from ``g`` as :func:`_intra_fwd` forms it): M = (I + L)^-1
@@ -334,14 +309,14 @@ def _wy_fwd(
     else:
         r_k = tl.full([C], 1.0, dtype=tl.float32)
     _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
-              GATE, RECOMPUTE_G)
+              GATE, RECOMPUTE_G, INV_BLOCK)
 
 
 @triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _prep_fwd(
     k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, TWO_PASS: tl.constexpr,
+    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, INV_BLOCK: tl.constexpr,
 ):
     """:func:`_intra_fwd` and :func:`_wy_fwd` in one program per (chunk, head) (``TUNING["fwd_prep"] = "fused"``):
     L stays in registers, G is formed twice from g instead of stored and read back (stored only for the backward,
@@ -349,9 +324,9 @@ def _prep_fwd(
     cache rather than DRAM: ~1.5 KB less traffic per token and head at K = V = 128."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L, r_k = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
-                          tok, H, K, C, BK, F32, GATE, L2, SAVE, TWO_PASS)
+                          tok, H, K, C, BK, F32, GATE, L2, SAVE)
     _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
-              GATE, True)
+              GATE, True, INV_BLOCK)
 
 
 @triton.jit
@@ -859,9 +834,8 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: 32-wide steps: 0.72 -> 0.63 / 2.78 -> 2.71 at B8 T2048 H16 D128, 3.95 -> 3.80 / 13.47 -> 13.36 at B8 T2048 H32
 #: D256; on 2 or 4 warps it is slower than split (0.92, 1.06 at B8 T2048), and in 64-wide steps twice as slow (its
 #: registers spill).
-#: ``prep_passes``: 2 forms Aq and A in two passes over the key columns in :func:`_prep_fwd`, one ``[C, C]``
-#: accumulator live at a time (bit-identical; k and g read twice). Offline it needs fewer registers (section
-#: "Kernel resources on sm_90a"), so more blocks fit per SM; not yet timed.
+#: ``inverse_block``: the diagonal blocks that :func:`_inverse` inverts by forward substitution before doubling
+#: them up to C with products (None: C, the plain substitution, C - 1 dependent steps).
 #: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and of :func:`_wy_fwd` or
 #: :func:`_prep_fwd` (None: 64 split, 32 fused; K / V rounded up to a power of two when smaller).
 #: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored
@@ -884,7 +858,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="separate",
-                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, prep_passes=1)
+                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16)
 
 
 def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> int:
@@ -1084,6 +1058,7 @@ def chunk_fwd(
     step = 32 if TUNING["fwd_prep"] == "fused" else 64  # the WY step when TUNING leaves it None
     BKw, BVw = min(TUNING["wy_bk"] or step, _pow2(K)), min(TUNING["wy_bv"] or step, _pow2(V))
     fus = dict(H=H, K=K, C=C, F32=F32, GATE=gate, L2=qk_l2norm)
+    inv_block = min(TUNING["inverse_block"] or C, C)
     table, segs = _segment_plan("fwd", B, H, T, C, cu_seqlens, cidx, NC, q.device)
     with _pipeline(q.device, len(segs)) as (main, side):
         for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
@@ -1091,13 +1066,13 @@ def chunk_fwd(
             args = (cu, rows, scale, bias, gmin, rnq, rnk)
             if TUNING["fwd_prep"] == "fused":
                 _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, *args, V=V, BV=BVw, BK=BKw,
-                                        SAVE=save, TWO_PASS=TUNING["prep_passes"] == 2,
-                                        num_warps=TUNING["prep_warps"], **fus)
+                                        SAVE=save, INV_BLOCK=inv_block, num_warps=TUNING["prep_warps"], **fus)
             else:
                 _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, *args, BK=BKi,
                                          GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"], **fus)
                 _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, gmin, V=V, BK=BKw, BV=BVw,
-                                      SAVE=save, RECOMPUTE_G=recompute_g, num_warps=TUNING["wy_warps"], **fus)
+                                      SAVE=save, RECOMPUTE_G=recompute_g, INV_BLOCK=inv_block,
+                                      num_warps=TUNING["wy_warps"], **fus)
             # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
             h0 = initial_state if i == 0 else ht
             scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)

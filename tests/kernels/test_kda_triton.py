@@ -182,32 +182,22 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_prep_in_two_passes_is_bit_identical(seed, monkeypatch, fused):
-    """``TUNING["prep_passes"] = 2`` (Aq in one pass over the key columns, A in a second) sums the same terms in the
-    same order as one pass: o, the final state and every gradient are bit-identical, with and without the fused
-    gate and q/k L2 norm, on a varlen batch with a partial chunk and K = 40 (three 16-wide steps, the last masked)."""
-    from k3lit.kernels.kda import chunk, kda_triton
+@pytest.mark.parametrize("block", [2, 8, 32])
+@pytest.mark.parametrize("collinear", [False, True])
+def test_blocked_inverse(seed, monkeypatch, block, collinear):
+    """``TUNING["inverse_block"]``: M = (I + Diag(beta) A)^-1 from substituted diagonal blocks doubled up with
+    products (``chunk._inverse``) matches the float64 reference like the plain substitution, also with
+    near-collinear keys (M badly conditioned), on a varlen batch with a partial chunk and K = 40; with the fused
+    prep and with the split kernels (``_wy_fwd``). Every other test runs the default, 16; 32 is the plain
+    substitution (no doubling), 2 and 8 double four and two times."""
+    from k3lit.kernels.kda import chunk
 
+    monkeypatch.setitem(chunk.TUNING, "inverse_block", block)
     cu = torch.tensor([0, 9, 80], device=DEV)
-    q, k, v, g, beta, h0 = make_inputs(1, 80, 2, 40, 24, N=2)
-    kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * 40, device=DEV),
-              use_qk_l2norm_in_kernel=True) if fused else {}
-    if fused:
-        q, k, g = q * 3, k * 0.5, torch.randn_like(g)
-    do = torch.randn_like(v)
-    results = []
-    for passes in (1, 2):
-        for key, value in dict(prep_passes=passes, wy_bk=16, wy_bv=16).items():
-            monkeypatch.setitem(chunk.TUNING, key, value)
-        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-        o, ht = kda_triton(*xs[:5], None, xs[5], True, cu, **kw)
-        (o * do).sum().add(ht.square().sum()).backward()
-        with torch.no_grad():
-            o_inf, ht_inf = kda_triton(*xs[:5], None, xs[5], True, cu, **kw)
-        results.append([o, ht, o_inf, ht_inf, *(x.grad for x in xs)])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    inputs = make_inputs(1, 80, 2, 40, 24, N=2, collinear=collinear)
+    for prep in ("fused", "split"):
+        monkeypatch.setitem(chunk.TUNING, "fwd_prep", prep)
+        assert_errors(run_both(inputs, cu_seqlens=cu), TOL_F32)
 
 
 def test_pipeline_segments_rule(monkeypatch):
@@ -726,7 +716,8 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 @gpu
 @pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
                                      dict(fwd_prep="split"), dict(fwd_prep="split", wy_g="recomputed"),
-                                     dict(fwd_prep="fused", prep_warps=2), dict(prep_passes=2, wy_bk=16, wy_bv=16)])
+                                     dict(fwd_prep="fused", prep_warps=2), dict(inverse_block=32),
+                                     dict(inverse_block=8)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
     """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
