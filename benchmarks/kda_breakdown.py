@@ -74,10 +74,10 @@ SWEEP = {
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
-#: The forward's alternatives around session 9's defaults: the per-chunk work split in two kernels, the one kernel's
-#: warps, steps and passes (offline: 16-wide steps spill-free at 232-242 registers, still 8 blocks per SM; two passes
-#: in 16-wide steps 168 registers without a backward, 12 blocks per SM), fewer bytes, the scan writing the output,
-#: pipeline segments forced on and off. Not yet timed as a group.
+#: The forward's alternatives around the defaults: the per-chunk work split in two kernels, the one kernel's warps
+#: and steps (offline: 16-wide steps spill-free at 232-242 registers, still 8 blocks per SM), fewer bytes, the scan
+#: writing the output, pipeline segments forced on and off. Timed as a group in sessions 9 and 10 (RESULTS.md, "KDA
+#: launch settings").
 FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps", "prep bk64", "prep bk32 bv64",
                     "prep bk16", "prep bk16 bv32", "u work dtype",
                     "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4", "segments 8",

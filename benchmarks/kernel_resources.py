@@ -141,11 +141,11 @@ def configs() -> dict[str, list[aot.Launch]]:
                                                            tuning=dict(fwd_plain_out="fused")),
         "KDA K=V=128, intra and wy in two kernels": _kda(4, 4096, 16, 128, 128, False, False,
                                                          only=("_intra_fwd", "_wy_fwd"), tuning=dict(fwd_prep="split")),
-        "KDA K=V=128, intra + wy in two passes, 16-wide steps": _kda(
-            4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",), tuning=dict(prep_passes=2, wy_bk=16, wy_bv=16)),
-        "KDA K=V=128, no backward, intra + wy in two passes, 16-wide steps": _kda(
-            4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",), tuning=dict(prep_passes=2, wy_bk=16, wy_bv=16),
-            save=False),
+        "KDA K=V=128, inverse by substitution": _kda(4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",),
+                                                     tuning=dict(inverse_block=32)),
+        "KDA K=V=128, no backward, inverse by substitution": _kda(
+            4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",), tuning=dict(inverse_block=32), save=False),
+        "KDA K=V=128, no backward": _kda(4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",), save=False),
         "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,
                                                only=("_out_fwd", "_main_bwd"),
                                                tuning=dict(fwd_segments=4, bwd_segments=4, fwd_scan="plain")),

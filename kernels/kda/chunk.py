@@ -6,7 +6,7 @@ its middle row and ``S`` the state entering the chunk (docs/MATH.md §1)::
 
     A    = tril(K⊙exp(G - G_r) · (K⊙exp(G_r - G))^T, -1)          dense tl.dot, no diagonal special case
     Aq   = scale * tril(Q⊙exp(G - G_r) · (K⊙exp(G_r - G))^T)
-    M    = (I + Diag(beta) A)^-1                                    forward substitution in registers
+    M    = (I + Diag(beta) A)^-1                                    in registers, blockwise (_inverse)
     W    = M Diag(beta) (K⊙exp(G)),   U = M Diag(beta) V
     Delta = U - W S
     O    = scale (Q⊙exp(G)) S + Aq Delta
@@ -104,8 +104,9 @@ def _inverse(L, rows, C: tl.constexpr, BLOCK: tl.constexpr):
        and one reduction over the tile serve all blocks: ``BLOCK - 1`` dependent steps instead of ``C - 1``.
     2. Doubling: with D the inverse of the b-wide blocks and N the entries of L between the two halves of each
        2b-wide block, I + L_2b = (I + L_b)(I + D N) and (D N)^2 = 0, so (I + L_2b)^-1 = D - D N D: two products,
-       in 3xTF32 (float32 accuracy), per doubling. This is the recursive blocked triangular inversion (Higham,
-       Accuracy and Stability of Numerical Algorithms, 2nd ed., §14.2), as stable as the substitution."""
+       in 3xTF32 (float32 accuracy), per doubling: the blocked triangular inversion (Higham, Accuracy and
+       Stability of Numerical Algorithms, 2nd ed., ch. 14), as fla's solve_tril merges its 16-row inverses.
+    Default ``BLOCK`` 16 (``TUNING["inverse_block"]``): 15 steps and, at C = 32, one doubling."""
     r = rows[:, None]
     c = rows[None, :]
     X = (r == c).to(tl.float32)
@@ -116,10 +117,10 @@ def _inverse(L, rows, C: tl.constexpr, BLOCK: tl.constexpr):
         l_s = tl.sum(tl.where(sel[:, None], Lb, 0.0), axis=0)  # column j: L of the row of j's block being formed
         y = -tl.sum(l_s[:, None] * X, axis=0)  # column c: the new row of c's block, at c (X block-diagonal)
         X = tl.where(sel[:, None] & same & (r != c), y[None, :], X)
-    for lvl in tl.static_range(6):
+    for lvl in tl.static_range(6):  # b = BLOCK << lvl, while b < C
         if (BLOCK << lvl) < C:
-            N = tl.where((r // (BLOCK << (lvl + 1)) == c // (BLOCK << (lvl + 1))) & (r // (BLOCK << lvl) != c // (BLOCK << lvl)),
-                         L, 0.0)
+            pair = (r // (BLOCK << (lvl + 1))) == (c // (BLOCK << (lvl + 1)))
+            N = tl.where(pair & ((r // (BLOCK << lvl)) != (c // (BLOCK << lvl))), L, 0.0)
             X -= tl.dot(X, tl.dot(N, X, input_precision="tf32x3"), input_precision="tf32x3")
     return X
 
@@ -218,7 +219,9 @@ def _intra_chunk(
             b_k *= r_k[:, None]
             b_q *= r_q[:, None]
         g_last = _row(b_G, rows, n_valid - 1)
-        # exp(G_last - G) = dn exp(G_last - G_R) and exp(G) = up exp(G_R): two exponentials of the tile, not four
+        # exp(G_last - G) = dn exp(G_last - G_R) and exp(G) = up exp(G_R): two exponentials of the tile, not four.
+        # |G_R| and |G_last - G_R| <= |g_min| * ceil((C - 1) / 2) <= 88, so each factor is at least e^-88, which
+        # float32 holds as a subnormal (ex2.approx.f32 and mul.f32 without .ftz keep subnormals: 22 bits at worst)
         tl.store(Kd + off, (b_k * dn * tl.exp(g_last - b_Gr)[None, :]).to(Kd.dtype.element_ty), mask=msk)
         tl.store(Qg + off, (b_q * up * (tl.exp(b_Gr) * scale)[None, :]).to(Qg.dtype.element_ty), mask=msk)
         b_kdn = b_k * dn
@@ -298,9 +301,10 @@ def _wy_fwd(
     ``Gc`` (or, with ``RECOMPUTE_G``, G formed again from ``g`` as :func:`_intra_fwd` forms it): M = (I + L)^-1
     (stored over L when ``SAVE``, for the backward), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
 
-    M by forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower): C - 1 dependent
-    steps, each two reductions over the ``[C, C]`` tile. Launched with one warp, so the reductions never cross
-    warps (no shared-memory exchange and no barrier per step): on the H200 this kernel plus an inverse-free
+    M by :func:`_inverse`: forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower), on
+    ``INV_BLOCK``-wide diagonal blocks (``INV_BLOCK - 1`` dependent steps, each two reductions over the ``[C, C]``
+    tile), then doubled up to C with products. Launched with one warp, so the reductions never cross warps (no
+    shared-memory exchange and no barrier per step): on the H200 this kernel plus an inverse-free
     :func:`_intra_fwd` took 0.6x the time of one kernel doing both with four warps (benchmarks/kda_breakdown.py)."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L = tl.load(Mi + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
@@ -834,8 +838,12 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: 32-wide steps: 0.72 -> 0.63 / 2.78 -> 2.71 at B8 T2048 H16 D128, 3.95 -> 3.80 / 13.47 -> 13.36 at B8 T2048 H32
 #: D256; on 2 or 4 warps it is slower than split (0.92, 1.06 at B8 T2048), and in 64-wide steps twice as slow (its
 #: registers spill).
-#: ``inverse_block``: the diagonal blocks that :func:`_inverse` inverts by forward substitution before doubling
-#: them up to C with products (None: C, the plain substitution, C - 1 dependent steps).
+#: ``inverse_block``: the width of the diagonal blocks that :func:`_inverse` inverts by forward substitution before
+#: doubling them up to C with 3xTF32 products (None or >= C: the plain substitution, C - 1 dependent steps).
+#: Session 10's H200 sweep, with the two exponentials of :func:`_intra_chunk`: 16 took 0.60 ms against the plain
+#: substitution's 0.65 at B8 T2048 H16 D128, 1.92 against 2.06 at B1 T8192 H96, 3.73 against 3.79 at D256 and was
+#: the fastest of 32 / 16 / 8 / 4 at every shape (8: 0.64, 4: 0.97 ms at B8 T2048; each doubling's two
+#: products cost more than the steps they save).
 #: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and of :func:`_wy_fwd` or
 #: :func:`_prep_fwd` (None: 64 split, 32 fused; K / V rounded up to a power of two when smaller).
 #: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored

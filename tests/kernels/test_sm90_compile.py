@@ -38,8 +38,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("KDA K=V=128, no backward, wy_g recomputed, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
     expected |= {("KDA K=V=128, intra and wy in two kernels", n) for n in ("_intra_fwd", "_wy_fwd")}
-    expected |= {(f"KDA K=V=128, {s}intra + wy in two passes, 16-wide steps", "_prep_fwd")
-                 for s in ("", "no backward, ")}
+    expected |= {(f"KDA K=V=128, {s}", "_prep_fwd")
+                 for s in ("inverse by substitution", "no backward, inverse by substitution", "no backward")}
     expected |= {("KDA K=V=128, pipeline segments", n) for n in ("_out_fwd", "_main_bwd")}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd")}
