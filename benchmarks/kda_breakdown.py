@@ -83,9 +83,8 @@ FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps"
                     "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4", "segments 8",
                     "bwd segments 4"]
 #: The inverse's diagonal blocks (``inverse_block``, default 16) around session 10's defaults: the plain substitution
-#: (session 9's kernel), 8- and 4-wide blocks (fewer dependent steps, more doublings). Offline (sm_90a, B8 T2048 H16
-#: D128, no backward) _prep_fwd ran ~22.5k instructions a chunk and head by substitution, ~18.9k with 16-wide
-#: blocks, ~18.1k with 8-wide; the H200 sweep of session 10 (kda_sweep_h200_inverse.json) found 16 the fastest.
+#: (session 9's kernel), 8- and 4-wide blocks (fewer dependent steps, more doublings); their instruction counts:
+#: benchmarks/kda_sass.py. The H200 sweep of session 10 (kda_sweep_h200_s10_inverse.json) found 16 the fastest.
 INVERSE_VARIANTS = ["inverse by substitution", "inverse 8", "inverse 4"]
 #: ``--variants`` group names.
 VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS}

@@ -8,7 +8,8 @@ register tile spills.
 
 Use: run a launcher (e.g. ``k3lit.kernels.kda.chunk.chunk_fwd``) on ``meta`` tensors of the real shapes inside
 :func:`record_launches`, which stands in for the launched kernels and records each launch's arguments; then
-:func:`compile_launch` compiles one recorded launch for the target and returns its :class:`Resources`.
+:func:`compile_launch` compiles one recorded launch for the target and returns its :class:`Resources`
+(:func:`compile_kernel`: the compiled kernel itself, PTX and cubin).
 """
 
 from __future__ import annotations
@@ -85,6 +86,26 @@ _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def compile_kernel(launch: Launch, target: GPUTarget = H200):
+    """Triton's compiled kernel for ``launch`` on ``target`` (its ``asm`` holds the PTX and the cubin), with the
+    argument specialisation a real launch would get (dtypes, 16-byte alignment, integers divisible by 16 or equal
+    to 1, constexprs).
+
+    Raises:
+        triton.CompilationError: the kernel does not compile for the target.
+        RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1`` (import them in a process without it).
+    """
+    fn = launch.kernel
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{launch.name} is not a compilable JITFunction ({type(fn).__name__}): the Triton "
+                           "interpreter was on when it was defined; compile in a process without TRITON_INTERPRET")
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
 def compile_launch(launch: Launch, target: GPUTarget = H200) -> Resources:
     """Compile ``launch`` for ``target`` with the argument specialisation a real launch would get (dtypes,
     16-byte alignment, integers divisible by 16 or equal to 1, constexprs) and read its resources from
@@ -95,16 +116,8 @@ def compile_launch(launch: Launch, target: GPUTarget = H200) -> Resources:
         RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1`` (import them in a process without
             it), or ptxas fails on the PTX Triton produced.
     """
-    fn = launch.kernel
-    if not isinstance(fn, JITFunction):
-        raise RuntimeError(f"{launch.name} is not a compilable JITFunction ({type(fn).__name__}): the Triton "
-                           "interpreter was on when it was defined; compile in a process without TRITON_INTERPRET")
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
     t0 = time.perf_counter()
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    compiled = compile_kernel(launch, target)
     compile_s = time.perf_counter() - t0
     from triton.backends.nvidia.compiler import get_ptxas
 

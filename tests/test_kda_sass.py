@@ -1,0 +1,35 @@
+"""``benchmarks/kda_sass.py`` counts ``_prep_fwd``'s warp instructions from its sm_90a machine code (CPU only: the
+compiler and disassembler need no GPU). RESULTS.md quotes its counts, so its loop matching must hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_instruction_counts_match_every_loop(tmp_path):
+    """Every machine loop is matched to its Python loop with that loop's trip count: the inverse's substitution
+    runs ``inverse_block - 1`` times (15 by default, 31 for the plain substitution, 7 with 8-wide blocks), the key
+    and value loops K / 32 = V / 32 = 4 times; and the 16-wide blocks issue fewer instructions than the plain
+    substitution (what the session-10 sweep timed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "counts.json"
+    run = subprocess.run([sys.executable, "benchmarks/kda_sass.py", "--json", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    expected_inverse = {"default (16-wide inverse blocks)": 15, "inverse by substitution": 31, "inverse 8": 7}
+    for label, row in rows.items():
+        trips = {lp["python_loop"]: lp["trips"] for lp in row["loops"]}
+        assert None not in trips, (label, row["loops"])
+        assert trips["_intra_chunk#0"] == trips["_wy_chunk#0"] == trips["_wy_chunk#1"] == 4, (label, trips)
+        if label in expected_inverse:
+            assert trips["_inverse#0"] == expected_inverse[label], (label, trips)
+        assert row["total"] == row["static"] + sum((lp["trips"] - 1) * lp["size"] for lp in row["loops"])
+    assert rows["default (16-wide inverse blocks)"]["total"] < rows["inverse by substitution"]["total"]
