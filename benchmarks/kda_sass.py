@@ -96,14 +96,11 @@ def python_loops(trips: dict[str, int]) -> dict[str, tuple[int, int, int]]:
 def count(B: int, T: int, H: int, D: int, tuning: dict, save: bool) -> tuple[int, int, list[Loop]]:
     """``(instructions per chunk and head, static instructions, loops)`` of ``_prep_fwd`` at this shape, bf16
     inputs, with ``tuning`` applied to ``chunk.TUNING``."""
-    from k3lit.kernels.kda import chunk
-
     launch = _kda(B, T, H, D, D, False, False, only=("_prep_fwd",), tuning=tuning, save=save)[0]
-    kw = launch.kwargs
+    kw = launch.kwargs  # the constexprs the launcher chose
     ins = disassemble(aot.compile_kernel(launch).asm["cubin"])
-    block = min(tuning.get("inverse_block") or chunk.TUNING["inverse_block"] or kw["C"], kw["C"])
     k_steps, v_steps = -(-kw["K"] // kw["BK"]), -(-kw["V"] // kw["BV"])
-    named = python_loops({"_intra_chunk#0": k_steps, "_inverse#0": block - 1, "_wy_chunk#0": k_steps,
+    named = python_loops({"_intra_chunk#0": k_steps, "_inverse#0": kw["INV_BLOCK"] - 1, "_wy_chunk#0": k_steps,
                           "_wy_chunk#1": v_steps})
     labels = {lab: i for i, (_, _, lab) in enumerate(ins) if lab}
     loops, total = [], len(ins)

@@ -112,11 +112,12 @@ def _inverse(L, rows, C: tl.constexpr, BLOCK: tl.constexpr):
     X = (r == c).to(tl.float32)
     same = (r // BLOCK) == (c // BLOCK)
     Lb = tl.where(same, L, 0.0)
+    off_diag = same & (r != c)  # the block entries a step writes (the diagonal stays 1)
     for s in range(1, BLOCK):
         sel = (rows % BLOCK) == s
         l_s = tl.sum(tl.where(sel[:, None], Lb, 0.0), axis=0)  # column j: L of the row of j's block being formed
         y = -tl.sum(l_s[:, None] * X, axis=0)  # column c: the new row of c's block, at c (X block-diagonal)
-        X = tl.where(sel[:, None] & same & (r != c), y[None, :], X)
+        X = tl.where(sel[:, None] & off_diag, y[None, :], X)
     for lvl in tl.static_range(6):  # b = BLOCK << lvl, while b < C
         if (BLOCK << lvl) < C:
             pair = (r // (BLOCK << (lvl + 1))) == (c // (BLOCK << (lvl + 1)))
@@ -831,8 +832,8 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``bwd_bv``: value columns per scan program (None: by :func:`_scan_plan`); ``*_warps``: warps per program
 #: (``scan_warps`` None: 4 for K <= 128, else 8); ``main_bwd_bv``: value block of :func:`_main_bwd` (None: 64, or
 #: 32 for V > 128, where 32 took 14.43 against 14.81 ms fwd+bwd at B8 T2048 H32 D256 on the H200).
-#: Each setting below was timed in session 9's H200 sweeps (benchmarks/RESULTS.md, "KDA launch settings"; forward
-#: without gradients / forward + backward, ms).
+#: Each setting below was timed in the H200 sweeps of sessions 9 and 10 (benchmarks/RESULTS.md, "KDA launch
+#: settings"; forward without gradients / forward + backward, ms).
 #: ``fwd_prep``: ``"fused"`` (default) runs the forward's per-chunk work in one kernel, :func:`_prep_fwd`, on
 #: ``prep_warps`` warps (default 1); ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`. Fused on 1 warp in
 #: 32-wide steps: 0.72 -> 0.63 / 2.78 -> 2.71 at B8 T2048 H16 D128, 3.95 -> 3.80 / 13.47 -> 13.36 at B8 T2048 H32
@@ -842,8 +843,8 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: doubling them up to C with 3xTF32 products (None or >= C: the plain substitution, C - 1 dependent steps).
 #: Session 10's H200 sweep, with the two exponentials of :func:`_intra_chunk`: 16 took 0.60 ms against the plain
 #: substitution's 0.65 at B8 T2048 H16 D128, 1.92 against 2.06 at B1 T8192 H96, 3.73 against 3.79 at D256 and was
-#: the fastest of 32 / 16 / 8 / 4 at every shape (8: 0.64, 4: 0.97 ms at B8 T2048; each doubling's two
-#: products cost more than the steps they save).
+#: the fastest of 32 / 16 / 8 / 4 at every shape (at B8 T2048: 8-wide 0.64 with the two exponentials, 4-wide 0.97
+#: without; each doubling's two products cost more than the steps they save).
 #: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and of :func:`_wy_fwd` or
 #: :func:`_prep_fwd` (None: 64 split, 32 fused; K / V rounded up to a power of two when smaller).
 #: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored
