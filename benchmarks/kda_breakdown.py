@@ -71,11 +71,6 @@ SWEEP = {
     "segments 4": dict(fwd_segments=4),
     "segments 8": dict(fwd_segments=8),
     "bwd segments 4": dict(bwd_segments=4),
-    "scan pairs": dict(fwd_scan_step=2),
-    "scan pairs, plain": dict(fwd_scan_step=2, fwd_scan="plain"),
-    "scan pairs, transposed bv32": dict(fwd_scan_step=2, fwd_scan="transposed", fwd_bv=32),
-    "scan pairs, plain fused out": dict(fwd_scan_step=2, fwd_scan="plain", fwd_plain_out="fused"),
-    "scan pairs, segments 4": dict(fwd_scan_step=2, fwd_segments=4),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
@@ -91,13 +86,8 @@ FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps"
 #: (session 9's kernel), 8- and 4-wide blocks (fewer dependent steps, more doublings); their instruction counts:
 #: benchmarks/kda_sass.py. The H200 sweep of session 10 (kda_sweep_h200_s10_inverse.json) found 16 the fastest.
 INVERSE_VARIANTS = ["inverse by substitution", "inverse 8", "inverse 4"]
-#: The forward scans in pairs of chunks (``fwd_scan_step=2``) in each layout, beside the single-chunk layouts and
-#: segments they are compared with.
-PAIR_VARIANTS = ["scan pairs", "scan pairs, plain", "fwd plain", "scan pairs, transposed bv32",
-                 "fwd transposed bv32", "scan pairs, plain fused out", "fwd plain fused out", "scan pairs, segments 4",
-                 "segments 4"]
 #: ``--variants`` group names.
-VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS, "pairs": PAIR_VARIANTS}
+VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS}
 
 
 def shape(text: str) -> tuple[int, int, int, int]:

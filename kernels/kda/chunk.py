@@ -394,36 +394,19 @@ def _g_last(Gc, t0, n_valid, i_h, rk, m_k, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _g_last_of(Gc, bos, eos, it, ok, i_h, rk, m_k, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """:func:`_g_last` of chunk ``it`` of the sequence ``[bos, eos)`` where ``ok``, else zeros (nothing read).
+    The scans load it one chunk ahead of its use: it is their only per-chunk load that the software pipeliner
+    leaves as a plain global load (the matrix operands go through asynchronous copies to shared memory), and
+    Nsight Compute put 40% of the forward scan's stall cycles on a global load's scoreboard (B1 T16384 H16)."""
+    t0 = bos + it * C
+    return _g_last(Gc, t0, tl.minimum(eos - t0, C), i_h, rk, m_k & ok, H, K)
+
+
+@triton.jit
 def _cc_offsets(tok, i_h, rows, H: tl.constexpr, C: tl.constexpr):
     """Offsets of a chunk's ``[C, C]`` tile (Aq, L or M) in a ``[T_total, H, C]`` tensor."""
     return tok[:, None] * (H * C) + i_h * C + rows[None, :]
-
-
-@triton.jit
-def _pair_bound(bos, eos, it, end, C: tl.constexpr):
-    """The end token to pass :func:`_scan_chunk` for chunk ``it + 1``, the second chunk of a pair that starts at
-    chunk ``it``: ``eos``, or that chunk's first token (so it has no valid rows) when it lies at or past ``end``,
-    the last chunk of the scan's range plus one."""
-    return tl.where(it + 1 < end, eos, bos + (it + 1) * C)
-
-
-@triton.jit
-def _dot_x(a, b, F32: tl.constexpr):
-    """``a @ b`` where one operand is X = W_b Kd_a^T (or its transpose), the float32 coupling of a pair's two
-    chunks, and the other bf16 Delta (or float32 Delta for float32 inputs): X rounded to TF32, as :func:`_dot_aq`
-    reads exact TF32 operands."""
-    return _dot_aq(_tf32(a.to(tl.float32), F32), _tf32(b.to(tl.float32), F32), F32)
-
-
-@triton.jit
-def _scan_out(Qg, Aq, o, S, b_d, i_h, rows, tok, m_t, offk, mk, offv, mv, H: tl.constexpr, C: tl.constexpr,
-              F32: tl.constexpr):
-    """Store a chunk's O = Qg S + Aq Delta from the plain scan's state ``S [BK, BV]`` and ``b_d [C, BV]`` (both
-    already rounded as :func:`_out_fwd` reads them)."""
-    b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-    b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
-    b_o = _dot(_op(b_qg, F32), _op(S, F32), F32) + _dot_aq(b_a, b_d, F32)
-    tl.store(o + offv, b_o.to(o.dtype.element_ty), mask=mv)
 
 
 @triton.jit(do_not_specialize=["it_lo", "it_hi"])  # one compile for every segment
@@ -431,136 +414,73 @@ def _scan_fwd(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, OUT: tl.constexpr, SAVE: tl.constexpr,
-    STEP: tl.constexpr,
 ):
     """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n), over the chunks
     ``it_lo <= it < it_hi`` of each sequence (a segment of :func:`chunk_fwd`'s pipeline: the state enters from
     ``h0`` and leaves to ``ht`` in float32, so segments chain without rounding). Stores every chunk's entering
     state and Delta for :func:`_out_fwd`; or, with ``OUT``, writes O = Qg S + Aq Delta itself (from the same
-    bf16-rounded S and Delta) and stores the states and Delta only when ``SAVE`` (for the backward).
-
-    ``STEP`` 2 walks pairs of chunks a, b (``TUNING["fwd_scan_step"]``): with X = W_b Kd_a^T ``[C, C]``, which does
-    not depend on the state, Delta_b = U_b - W_b (Diag(exp(G_a,last)) S) - X Delta_a, the same value as
-    U_b - W_b S_b. The chain from S to the next pair's state then holds three dependent products (W S, X Delta_a,
-    Kd_b^T Delta_b) instead of four, the product W_b S_b (K deep) replaced by X Delta_a (C deep), while
-    S_b = Diag(exp(G_a,last)) S + Kd_a^T Delta_a is formed beside X Delta_a."""
+    bf16-rounded S and Delta) and stores the states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_s, m_kv, base, S = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, False)
     end = tl.minimum(n_chunks, it_hi)
-    hd = h.dtype.element_ty
-    dd = D.dtype.element_ty
-    for it in range(it_lo, end, STEP):
+    g_next = _g_last_of(Gc, bos, eos, it_lo, it_lo < end, i_h, rk, m_k, H, K, C)
+    for it in range(it_lo, end):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
+        g_last = g_next
+        g_next = _g_last_of(Gc, bos, eos, it + 1, it + 1 < end, i_h, rk, m_k, H, K, C)
         if SAVE or not OUT:
-            tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(hd), mask=m_kv)
+            tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_u = tl.load(U + offv, mask=mv, other=0.0).to(tl.float32)
+        b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
+        if SAVE or not OUT:
+            tl.store(D + offv, b_d.to(D.dtype.element_ty), mask=mv)
+        if OUT:
+            b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
+            b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
+            b_o = _dot(_op(b_qg, F32), _op(S.to(h.dtype.element_ty), F32), F32)
+            b_o += _dot_aq(b_a, b_d.to(D.dtype.element_ty), F32)
+            tl.store(o + offv, b_o.to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
-        if STEP == 2:
-            t0b, nvb, m_tb, tokb, offkb, mkb, offvb, mvb = _scan_chunk(bos, _pair_bound(bos, eos, it, end, C), it + 1,
-                                                                      i_h, rows, rk, cv, m_k, m_v, H, K, V, C)
-            b_wb = tl.load(W + offkb, mask=mkb, other=0.0)
-            b_ub = tl.load(U + offvb, mask=mvb, other=0.0).to(tl.float32)
-            b_kdb = tl.load(Kd + offkb, mask=mkb, other=0.0)
-            g_lastb = _g_last(Gc, t0b, nvb, i_h, rk, m_k & (nvb > 0), H, K)  # 0: no chunk b, S_b passes through
-            X = _dot(_op(b_wb, F32), tl.trans(_op(b_kd, F32)), F32)
-            b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
-            b_d16 = b_d.to(dd)
-            if SAVE or not OUT:
-                tl.store(D + offv, b_d16, mask=mv)
-            if OUT:
-                _scan_out(Qg, Aq, o, S.to(hd), b_d16, i_h, rows, tok, m_t, offk, mk, offv, mv, H, C, F32)
-            S = S * tl.exp(g_last)[:, None]  # in place: one state tile live
-            b_db = b_ub - _dot(_op(b_wb, F32), _op(S, F32), F32)
-            S += _dot(tl.trans(_op(b_kd, F32)), _op(b_d16, F32), F32)
-            b_db -= _dot_x(X, b_d16, F32)
-            b_db16 = b_db.to(dd)
-            if SAVE or not OUT:
-                tl.store(h + ((c0 + it + 1) * H + i_h) * K * V + off_s, S.to(hd), mask=m_kv & (nvb > 0))
-                tl.store(D + offvb, b_db16, mask=mvb)
-            if OUT:
-                _scan_out(Qg, Aq, o, S.to(hd), b_db16, i_h, rows, tokb, m_tb, offkb, mkb, offvb, mvb, H, C, F32)
-            S = S * tl.exp(g_lastb)[:, None] + _dot(tl.trans(_op(b_kdb, F32)), _op(b_db16, F32), F32)
-        else:
-            b_d = b_u - _dot(_op(b_w, F32), _op(S, F32), F32)
-            b_d16 = b_d.to(dd)
-            if SAVE or not OUT:
-                tl.store(D + offv, b_d16, mask=mv)
-            if OUT:
-                _scan_out(Qg, Aq, o, S.to(hd), b_d16, i_h, rows, tok, m_t, offk, mk, offv, mv, H, C, F32)
-            S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
+        S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
     if STORE_HT:
         tl.store(ht + base + off_s, S, mask=m_kv)
-
-
-@triton.jit
-def _scan_out_t(Qg, Aq, o, St, b_dt, i_h, rows, tok, m_t, offk, mk, offv, mv, H: tl.constexpr, C: tl.constexpr,
-                F32: tl.constexpr):
-    """Store a chunk's O^T = S^T Qg^T + Delta^T Aq^T from the transposed scan's float32 ``St [BV, BK]`` and
-    ``b_dt [BV, C]``."""
-    b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-    b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
-    b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot_aq(_op(b_dt, F32), tl.trans(b_a), F32)
-    tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
 
 
 @triton.jit(do_not_specialize=["it_lo", "it_hi"])  # one compile for every segment
 def _scan_fwd_t(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, SAVE: tl.constexpr, STEP: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, SAVE: tl.constexpr,
 ):
     """:func:`_scan_fwd` with the state held transposed, ``S^T [BV, BK]``: Delta^T = U^T - S^T W^T and
     S^T <- S^T Diag(exp(G_last)) + Delta^T Kd. The state and Delta are then the left operands of both products,
     which Hopper's wgmma reads from registers (no shared-memory round trip on the sequential path). It also
     writes the output, O^T = S^T Qg^T + Delta^T Aq^T (products off the sequential path), in place of
-    :func:`_out_fwd`, so it stores the entering states and Delta only when ``SAVE`` (for the backward). ``STEP``
-    2: pairs of chunks as in :func:`_scan_fwd`, Delta_b^T = U_b^T - (S^T Diag(exp(G_a,last))) W_b^T - Delta_a^T X^T."""
+    :func:`_out_fwd`, so it stores the entering states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_st, m_vk, base, St = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, True)
     end = tl.minimum(n_chunks, it_hi)
-    hd = h.dtype.element_ty
-    dd = D.dtype.element_ty
-    for it in range(it_lo, end, STEP):
+    g_next = _g_last_of(Gc, bos, eos, it_lo, it_lo < end, i_h, rk, m_k, H, K, C)
+    for it in range(it_lo, end):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
+        g_last = g_next
+        g_next = _g_last_of(Gc, bos, eos, it + 1, it + 1 < end, i_h, rk, m_k, H, K, C)
         if SAVE:
-            tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(hd), mask=m_vk)
+            tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(h.dtype.element_ty), mask=m_vk)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_ut = tl.trans(tl.load(U + offv, mask=mv, other=0.0).to(tl.float32))
+        b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
+        if SAVE:
+            tl.store(D + offv, tl.trans(b_dt).to(D.dtype.element_ty), mask=mv)
+        b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
+        b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
+        b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot_aq(_op(b_dt, F32), tl.trans(b_a), F32)
+        tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
-        if STEP == 2:
-            t0b, nvb, m_tb, tokb, offkb, mkb, offvb, mvb = _scan_chunk(bos, _pair_bound(bos, eos, it, end, C), it + 1,
-                                                                      i_h, rows, rk, cv, m_k, m_v, H, K, V, C)
-            b_wb = tl.load(W + offkb, mask=mkb, other=0.0)
-            b_ubt = tl.trans(tl.load(U + offvb, mask=mvb, other=0.0).to(tl.float32))
-            b_kdb = tl.load(Kd + offkb, mask=mkb, other=0.0)
-            g_lastb = _g_last(Gc, t0b, nvb, i_h, rk, m_k & (nvb > 0), H, K)  # 0: no chunk b, S_b passes through
-            Xt = _dot(_op(b_kd, F32), tl.trans(_op(b_wb, F32)), F32)
-            b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
-            b_dt16 = b_dt.to(dd)
-            if SAVE:
-                tl.store(D + offv, tl.trans(b_dt16), mask=mv)
-            _scan_out_t(Qg, Aq, o, St, b_dt16, i_h, rows, tok, m_t, offk, mk, offv, mv, H, C, F32)
-            St = St * tl.exp(g_last)[None, :]  # in place: one state tile live
-            b_dbt = b_ubt - _dot(_op(St, F32), tl.trans(_op(b_wb, F32)), F32)
-            St += _dot(_op(b_dt16, F32), _op(b_kd, F32), F32)
-            b_dbt -= _dot_x(b_dt16, Xt, F32)
-            b_dbt16 = b_dbt.to(dd)
-            if SAVE:
-                tl.store(h + ((c0 + it + 1) * H + i_h) * K * V + off_st, St.to(hd), mask=m_vk & (nvb > 0))
-                tl.store(D + offvb, tl.trans(b_dbt16), mask=mvb)
-            _scan_out_t(Qg, Aq, o, St, b_dbt16, i_h, rows, tokb, m_tb, offkb, mkb, offvb, mvb, H, C, F32)
-            St = St * tl.exp(g_lastb)[None, :] + _dot(_op(b_dbt16, F32), _op(b_kdb, F32), F32)
-        else:
-            b_dt = b_ut - _dot(_op(St, F32), tl.trans(_op(b_w, F32)), F32)
-            if SAVE:
-                tl.store(D + offv, tl.trans(b_dt).to(dd), mask=mv)
-            _scan_out_t(Qg, Aq, o, St, b_dt, i_h, rows, tok, m_t, offk, mk, offv, mv, H, C, F32)
-            St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
+        St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
     if STORE_HT:
         tl.store(ht + base + off_st, St, mask=m_vk)
 
@@ -621,15 +541,17 @@ def _scan_bwd(
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_s, m_kv, base, dS = _state_start(dht, i_nh, rk, cv, m_k, m_v, K, V, HAS_DHT, False)
     it_end = tl.minimum(n_chunks, it_hi)
+    g_next = _g_last_of(Gc, bos, eos, it_end - 1, it_lo < it_end, i_h, rk, m_k, H, K, C)
     for j in range(0, it_end - it_lo):
         it = it_end - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
+        g_last = g_next
+        g_next = _g_last_of(Gc, bos, eos, it - 1, it > it_lo, i_h, rk, m_k, H, K, C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_kv)
         b_do = tl.load(do + offv, mask=mv, other=0.0)
         b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         b_dd = _dot_aq(tl.trans(b_a), b_do, F32) + _dot(_op(b_kd, F32), _op(dS, F32), F32)
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
@@ -654,15 +576,17 @@ def _scan_bwd_t(
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_st, m_vk, base, dSt = _state_start(dht, i_nh, rk, cv, m_k, m_v, K, V, HAS_DHT, True)
     it_end = tl.minimum(n_chunks, it_hi)
+    g_next = _g_last_of(Gc, bos, eos, it_end - 1, it_lo < it_end, i_h, rk, m_k, H, K, C)
     for j in range(0, it_end - it_lo):
         it = it_end - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
+        g_last = g_next
+        g_next = _g_last_of(Gc, bos, eos, it - 1, it > it_lo, i_h, rk, m_k, H, K, C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_st, dSt.to(dh.dtype.element_ty), mask=m_vk)
         b_dot = _op(tl.trans(tl.load(do + offv, mask=mv, other=0.0)), F32)  # dO^T [BV, C]
         b_a = tl.load(Aq + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        g_last = _g_last(Gc, t0, n_valid, i_h, rk, m_k, H, K)
         b_ddt = _dot_aq(b_dot, b_a, F32) + _dot(_op(dSt, F32), tl.trans(_op(b_kd, F32)), F32)
         tl.store(dD + offv, tl.trans(b_ddt).to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
@@ -963,8 +887,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="separate",
-                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16,
-                    fwd_scan_step=1)
+                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16)
 
 
 def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> int:
@@ -1182,8 +1105,7 @@ def chunk_fwd(
             # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
             h0 = initial_state if i == 0 else ht
             scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)
-            seg_meta = dict(meta, HAS_H0=h0 is not None, STORE_HT=output_final_state or i < len(segs) - 1,
-                            STEP=TUNING["fwd_scan_step"])
+            seg_meta = dict(meta, HAS_H0=h0 is not None, STORE_HT=output_final_state or i < len(segs) - 1)
             with _on(side and side[0], main):
                 if transposed:
                     _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **seg_meta)

@@ -232,29 +232,6 @@ def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
 
 
-@pytest.mark.parametrize("layout", [dict(fwd_scan="plain"), dict(fwd_scan="plain", fwd_plain_out="fused"),
-                                    dict(fwd_scan="transposed")])
-def test_forward_scan_in_pairs(seed, monkeypatch, layout):
-    """``TUNING["fwd_scan_step"] = 2``: the forward scans walk pairs of chunks, the second chunk's Delta formed
-    through X = W_b Kd_a^T. Against the reference, with a backward to follow and without, where pairs end early: a
-    dense sequence of 7 chunks in 3 pipeline segments (2, 2 and 3 chunks, the last with a partial chunk) and
-    varlen sequences of 1, 2 and 3 chunks, at K and V not powers of two. The varlen inputs have gate 0, so that
-    the final state depends on every chunk's Delta (with the random gate it forgets all but the last chunks)."""
-    from k3lit.kernels.kda import chunk, kda_triton
-
-    for key, value in dict(layout, fwd_scan_step=2, fwd_segments=3).items():
-        monkeypatch.setitem(chunk.TUNING, key, value)
-    cu = torch.tensor([0, 20, 84, 180], device=DEV)
-    for inputs, cu_seqlens in ((make_inputs(1, 219, 2, 40, 24), None),
-                               (make_inputs(1, 180, 2, 40, 24, gate="zero", N=3), cu)):
-        assert_errors(run_both(inputs, cu_seqlens=cu_seqlens), TOL_F32)
-        q, k, v, g, beta, h0 = inputs
-        with torch.no_grad():
-            o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu_seqlens)
-        o_r, ht_r = kda_reference(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), True, cu_seqlens)
-        assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
-
-
 @pytest.mark.parametrize("variant", [dict(fwd_prep="split", wy_g="recomputed"),
                                      dict(fwd_prep="fused", wy_bk=16, wy_bv=16)])
 @pytest.mark.parametrize("fused", [False, True])
@@ -740,9 +717,7 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 @pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
                                      dict(fwd_prep="split"), dict(fwd_prep="split", wy_g="recomputed"),
                                      dict(fwd_prep="fused", prep_warps=2), dict(inverse_block=32),
-                                     dict(inverse_block=8), dict(fwd_scan_step=2, fwd_scan="plain"),
-                                     dict(fwd_scan_step=2, fwd_scan="transposed"),
-                                     dict(fwd_scan_step=2, fwd_scan="plain", fwd_plain_out="fused")])
+                                     dict(inverse_block=8)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
     """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
