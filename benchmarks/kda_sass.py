@@ -12,6 +12,12 @@ warp per chunk and head; Nsight Compute found the kernel issue- and latency-boun
 fewer instructions is what makes it faster.
 
     python benchmarks/kda_sass.py [--shape 8x2048x16x128] [--save] [--json counts.json]
+    python benchmarks/kda_sass.py --scan [--shape 1x16384x16x128] [--json counts.json]
+
+``--scan`` counts instead the body of the forward state scan's chunk loop (``_scan_fwd``, or ``_scan_fwd_t`` where
+``chunk._scan_plan`` picks it at the shape): one trip per chunk, split by opcode (tensor-core products, barriers,
+asynchronous and plain global loads). One program of 4 warps runs each (sequence, head, value block); Nsight Compute
+found it issuing every 6.5-7.2 cycles at one warp per scheduler (benchmarks/RESULTS.md, "KDA launch settings").
 
 Must run without ``TRITON_INTERPRET``. Counts differ between Triton versions (printed).
 """
@@ -121,17 +127,53 @@ def count(B: int, T: int, H: int, D: int, tuning: dict, save: bool) -> tuple[int
     return total, len(ins), loops
 
 
+def _read_next_trip(body: list[str], i: int) -> bool:
+    """Whether the register that instruction ``i`` of a loop body loads is first read on the loop's next trip:
+    its first mention after ``i``, going round the body, lies at or before ``i`` (a source operand)."""
+    dest = re.search(r"\s(R\d+)", body[i]).group(1)
+    mention = re.compile(rf"\b{dest}\b")
+    for j in list(range(i + 1, len(body))) + list(range(i)):
+        if mention.search(body[j]):
+            return j < i
+    return False
+
+
+def scan_loop(B: int, T: int, H: int, D: int, save: bool) -> tuple[str, int, Counter, list[bool]]:
+    """``(kernel, instructions, opcodes, ahead)`` of the forward scan's largest loop, its chunk loop, at this shape
+    (bf16, K = V = D): the body's instruction count, a count per opcode (``LDG`` only for plain global loads) and, per
+    plain global load, whether its value is first read on the next trip (loaded a chunk ahead)."""
+    launch = _kda(B, T, H, D, D, False, False, only=("_scan_fwd", "_scan_fwd_t"), save=save)[0]
+    ins = disassemble(aot.compile_kernel(launch).asm["cubin"])
+    labels = {lab: i for i, (_, _, lab) in enumerate(ins) if lab}
+    loops = [(labels[m.group(1)], i) for i, (text, _, _) in enumerate(ins)
+             if (m := _BACK.search(text)) and labels.get(m.group(1), i) < i]
+    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0])
+    body = [text for text, _, _ in ins[lo:hi + 1]]
+    names = [re.split(r"[ .]", re.sub(r"^@!?U?P\w+\s+", "", text))[0] for text in body]
+    ahead = [_read_next_trip(body, i) for i, name in enumerate(names) if name == "LDG"]
+    return launch.name, len(body), Counter(names), ahead
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="8x2048x16x128", help="BxTxHxD (K = V = D)")
     p.add_argument("--save", action="store_true", help="the forward that saves for a backward")
     p.add_argument("--json", help="also write the counts to this path")
+    p.add_argument("--scan", action="store_true", help="count the forward scan's chunk loop instead")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the kernels must be compilable JIT functions")
     import triton
 
     B, T, H, D = (int(x) for x in args.shape.split("x"))
+    if args.scan:
+        name, size, ops, ahead = scan_loop(B, T, H, D, args.save)
+        keys = ("HMMA", "HGMMA", "BAR", "LDGSTS", "LDG")
+        print(f"{name}, sm_90a, triton {triton.__version__}, B{B} T{T} H{H} D{D}: chunk loop {size} instructions, "
+              + ", ".join(f"{k} {ops[k]}" for k in keys) + f"; plain loads read on the next trip: {ahead}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(kernel=name, size=size, ops=dict(ops), ahead=ahead), indent=1))
+        return
     print(f"_prep_fwd, sm_90a, triton {triton.__version__}, B{B} T{T} H{H} D{D}, "
           f"{'saving for a backward' if args.save else 'no backward'}: warp instructions per chunk and head")
     print("| variant | per chunk and head | static | loops (body x trips, Python loop) |")

@@ -32,3 +32,21 @@ def test_instruction_counts_match_every_loop(tmp_path):
         if label in expected_inverse:
             assert trips["_inverse#0"] == expected_inverse[label], (label, trips)
     assert rows["default (16-wide inverse blocks)"]["total"] < rows["inverse by substitution"]["total"]
+
+
+def test_scan_loop_has_one_plain_global_load(tmp_path):
+    """``--scan``: the forward scan's chunk loop at B1 T16384 H16 D128 (the plain layout, 16-wide value blocks) is
+    found, holds its products, and loads with one plain global load only, the next chunk's G_last, whose value is
+    first read on the loop's next trip (RESULTS.md,
+    "KDA launch settings": its wait was 40% of the scan's stalls when it was loaded where it is used; every other
+    per-chunk load goes through asynchronous copies)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "scan.json"
+    run = subprocess.run([sys.executable, "benchmarks/kda_sass.py", "--scan", "--shape", "1x16384x16x128", "--json",
+                          str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    row = json.loads(out.read_text())
+    assert row["kernel"] == "_scan_fwd"
+    assert row["ops"].get("HMMA", 0) + row["ops"].get("HGMMA", 0) > 0 and row["ops"]["LDGSTS"] > 0, row
+    assert row["ops"]["LDG"] == 1 and row["ahead"] == [True], row

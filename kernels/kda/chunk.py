@@ -398,7 +398,10 @@ def _g_last_of(Gc, bos, eos, it, ok, i_h, rk, m_k, H: tl.constexpr, K: tl.conste
     """:func:`_g_last` of chunk ``it`` of the sequence ``[bos, eos)`` where ``ok``, else zeros (nothing read).
     The scans load it one chunk ahead of its use: it is their only per-chunk load that the software pipeliner
     leaves as a plain global load (the matrix operands go through asynchronous copies to shared memory), and
-    Nsight Compute put 40% of the forward scan's stall cycles on a global load's scoreboard (B1 T16384 H16)."""
+    Nsight Compute put 40% of the forward scan's stall cycles on a global load's scoreboard (B1 T16384 H16). Each
+    trip starts by taking the exponential of the value loaded on the trip before, so that the machine code first
+    reads the loaded register one trip after the load (``benchmarks/kda_sass.py --scan`` checks it): a copy of it
+    into the next trip's register, which ptxas placed mid-trip, would wait for the load."""
     t0 = bos + it * C
     return _g_last(Gc, t0, tl.minimum(eos - t0, C), i_h, rk, m_k & ok, H, K)
 
@@ -427,7 +430,7 @@ def _scan_fwd(
     for it in range(it_lo, end):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        g_last = g_next
+        decay = tl.exp(g_next)  # read one trip after its load was issued
         g_next = _g_last_of(Gc, bos, eos, it + 1, it + 1 < end, i_h, rk, m_k, H, K, C)
         if SAVE or not OUT:
             tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
@@ -443,7 +446,7 @@ def _scan_fwd(
             b_o += _dot_aq(b_a, b_d.to(D.dtype.element_ty), F32)
             tl.store(o + offv, b_o.to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
+        S = S * decay[:, None] + _dot(tl.trans(_op(b_kd, F32)), _op(b_d, F32), F32)
     if STORE_HT:
         tl.store(ht + base + off_s, S, mask=m_kv)
 
@@ -466,7 +469,7 @@ def _scan_fwd_t(
     for it in range(it_lo, end):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        g_last = g_next
+        decay = tl.exp(g_next)  # read one trip after its load was issued
         g_next = _g_last_of(Gc, bos, eos, it + 1, it + 1 < end, i_h, rk, m_k, H, K, C)
         if SAVE:
             tl.store(h + ((c0 + it) * H + i_h) * K * V + off_st, St.to(h.dtype.element_ty), mask=m_vk)
@@ -480,7 +483,7 @@ def _scan_fwd_t(
         b_ot = _dot(_op(St, F32), tl.trans(_op(b_qg, F32)), F32) + _dot_aq(_op(b_dt, F32), tl.trans(b_a), F32)
         tl.store(o + offv, tl.trans(b_ot).to(o.dtype.element_ty), mask=mv)
         b_kd = tl.load(Kd + offk, mask=mk, other=0.0)
-        St = St * tl.exp(g_last)[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
+        St = St * decay[None, :] + _dot(_op(b_dt, F32), _op(b_kd, F32), F32)
     if STORE_HT:
         tl.store(ht + base + off_st, St, mask=m_vk)
 
@@ -546,7 +549,7 @@ def _scan_bwd(
         it = it_end - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        g_last = g_next
+        decay = tl.exp(g_next)  # read one trip after its load was issued
         g_next = _g_last_of(Gc, bos, eos, it - 1, it > it_lo, i_h, rk, m_k, H, K, C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_kv)
         b_do = tl.load(do + offv, mask=mv, other=0.0)
@@ -556,7 +559,7 @@ def _scan_bwd(
         tl.store(dD + offv, b_dd.to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-        dS = dS * tl.exp(g_last)[:, None] + _dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32), F32)
+        dS = dS * decay[:, None] + _dot(tl.trans(_op(b_qg, F32)), _op(b_do, F32), F32)
         dS -= _dot(tl.trans(_op(b_w, F32)), _op(b_dd, F32), F32)
     if STORE_DH0:
         tl.store(dh0 + base + off_s, dS, mask=m_kv)
@@ -581,7 +584,7 @@ def _scan_bwd_t(
         it = it_end - 1 - j
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        g_last = g_next
+        decay = tl.exp(g_next)  # read one trip after its load was issued
         g_next = _g_last_of(Gc, bos, eos, it - 1, it > it_lo, i_h, rk, m_k, H, K, C)
         tl.store(dh + ((c0 + it) * H + i_h) * K * V + off_st, dSt.to(dh.dtype.element_ty), mask=m_vk)
         b_dot = _op(tl.trans(tl.load(do + offv, mask=mv, other=0.0)), F32)  # dO^T [BV, C]
@@ -591,7 +594,7 @@ def _scan_bwd_t(
         tl.store(dD + offv, tl.trans(b_ddt).to(dD.dtype.element_ty), mask=mv)
         b_w = tl.load(W + offk, mask=mk, other=0.0)
         b_qg = tl.load(Qg + offk, mask=mk, other=0.0)
-        dSt = dSt * tl.exp(g_last)[None, :] + _dot(b_dot, _op(b_qg, F32), F32)
+        dSt = dSt * decay[None, :] + _dot(b_dot, _op(b_qg, F32), F32)
         dSt -= _dot(_op(b_ddt, F32), _op(b_w, F32), F32)
     if STORE_DH0:
         tl.store(dh0 + base + off_st, dSt, mask=m_vk)
@@ -890,18 +893,24 @@ TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, 
                     u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16)
 
 
-def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> int:
+def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None,
+              capturing: bool = False) -> int:
     """Pipeline segments of the ``"fwd"`` or ``"bwd"`` launches (``TUNING[which + "_segments"]``; ``"auto"``: the
     rule below). Only a dense batch of more than one chunk is cut. Rule from the H200 sweep of session 9
     (benchmarks/RESULTS.md, "KDA launch settings"): 4 segments where the scan is one long latency-bound chain
     beside little other work, B·H <= 16 and at least 1024 chunks a sequence forward (T >= 32768 at C = 32:
     2.31 -> 2.09 ms at B1·T32768·H16, 4.56 -> 4.02 at T65536) or 512 backward (T >= 16384: 3.77 -> 3.51 ms
     forward + backward at B1·T16384·H16); elsewhere the extra launches and waits cost more than the overlap
-    gains (0.63 -> 0.78 ms forward at B8·T2048·H16, 0.95 -> 1.64 at B2·T8192·H16)."""
+    gains (0.63 -> 0.78 ms forward at B8·T2048·H16, 0.95 -> 1.64 at B2·T8192·H16). Those costs are the host's:
+    while a CUDA graph is captured (``capturing``) the forward also takes 4 segments at B·H <= 32 and at least 256
+    chunks a sequence, where the replayed graph ran faster with them (benchmarks/kda_launch.py, session 11: 1.12
+    -> 1.00 ms at B1·T16384·H16, 0.91 -> 0.87 at B2·T8192·H16; 0.63 -> 0.72 at B8·T2048·H16, so not there)."""
     P = TUNING[which + "_segments"]
     n = triton.cdiv(T, C)
     if P == "auto":
-        P = 4 if B * H <= 16 and n >= (1024 if which == "fwd" else 512) else 1
+        eager = B * H <= 16 and n >= (1024 if which == "fwd" else 512)
+        graph = capturing and which == "fwd" and B * H <= 32 and n >= 256
+        P = 4 if eager or graph else 1
     return P if cu_seqlens is None and n > 1 else 1
 
 
@@ -909,7 +918,7 @@ def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.
                   NC: int, device: torch.device) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
     """The chunk table and ``((row_lo, row_hi, it_lo, it_hi), ...)`` segments the ``"fwd"`` or ``"bwd"`` launches
     run over: :func:`_segment_table` for :func:`_segments` > 1, else ``cidx`` whole, its chunks unbounded."""
-    P = _segments(which, B, H, T, C, cu_seqlens)
+    P = _segments(which, B, H, T, C, cu_seqlens, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     if P == 1:
         return cidx, ((0, NC, 0, 2**31 - 1),)
     return _segment_table(B, triton.cdiv(T, C), P, device)

@@ -202,8 +202,8 @@ def test_blocked_inverse(seed, monkeypatch, block, collinear):
 
 def test_pipeline_segments_rule(monkeypatch):
     """``TUNING["fwd_segments"] = "auto"`` (and ``bwd``): 4 segments only for a dense batch with B·H <= 16 and at
-    least 1024 chunks a sequence forward, 512 backward; one for varlen batches and single chunks; a number given in
-    TUNING is used as given."""
+    least 1024 chunks a sequence forward, 512 backward, or, in a CUDA graph capture, forward with B·H <= 32 and at
+    least 256 chunks; one for varlen batches and single chunks; a number given in TUNING is used as given."""
     from k3lit.kernels.kda import chunk
 
     seg = chunk._segments
@@ -211,6 +211,9 @@ def test_pipeline_segments_rule(monkeypatch):
     assert [seg("bwd", 1, 16, T, 32, None) for T in (8192, 16384, 32768)] == [1, 4, 4]
     assert seg("fwd", 2, 16, 65536, 32, None) == seg("bwd", 1, 96, 65536, 32, None) == 1  # B·H > 16
     assert seg("fwd", 1, 16, 65536, 32, torch.tensor([0, 65536])) == 1
+    graph = [seg("fwd", B, 16, T, 32, None, True) for B, T in ((2, 8192), (1, 16384), (8, 2048), (4, 8192), (2, 4096))]
+    assert graph == [4, 4, 1, 1, 1]
+    assert seg("bwd", 2, 16, 8192, 32, None, True) == seg("fwd", 1, 16, 65536, 32, torch.tensor([0, 65536]), True) == 1
     monkeypatch.setitem(chunk.TUNING, "fwd_segments", 3)
     assert seg("fwd", 8, 16, 2048, 32, None) == 3 and seg("fwd", 8, 16, 32, 32, None) == 1
 
