@@ -54,6 +54,26 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).float().numpy()
 
 
+def tf32x3_matmul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x @ y`` of float32 matrices as the GPU's 3xTF32: big and small TF32 parts, small-small dropped."""
+    xb, yb = tf32_round(x), tf32_round(y)
+    return np.matmul(tf32_round(x - xb), yb) + np.matmul(xb, tf32_round(y - yb)) + np.matmul(xb, yb)
+
+
+def bf16x6_matmul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x @ y`` of float32 matrices as Triton's ``bf16x6``: three bf16 parts each, the six leading products."""
+    x1, y1 = bf16_round(x), bf16_round(y)
+    x2, y2 = bf16_round(x - x1), bf16_round(y - y1)
+    x3, y3 = bf16_round(x - x1 - x2), bf16_round(y - y1 - y2)
+    small = np.matmul(x3, y1) + np.matmul(x1, y3) + np.matmul(x2, y2)
+    return small + np.matmul(x2, y1) + np.matmul(x1, y2) + np.matmul(x1, y1)
+
+
+def tf32_matmul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x @ y`` of float32 matrices as one tensor-core TF32 pass (operands truncated)."""
+    return np.matmul(tf32_truncate(x), tf32_truncate(y))
+
+
 def emulate(dots: str, exp: bool) -> None:
     """Patch the interpreter's products (``dots``: ``"exact"``, ``"tf32x3"``, ``"bf16x6"``) and exponentials
     (``exp``) to the GPU's arithmetic."""
@@ -63,19 +83,9 @@ def emulate(dots: str, exp: bool) -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if not (a.data.dtype == np.float32 and b.data.dtype == np.float32):
             return exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        x, y = a.data, b.data
-        if "x3" in str(input_precision).lower() and dots == "bf16x6":
-            x1, y1 = bf16_round(x), bf16_round(y)
-            x2, y2 = bf16_round(x - x1), bf16_round(y - y1)
-            x3, y3 = bf16_round(x - x1 - x2), bf16_round(y - y1 - y2)
-            out = (np.matmul(x3, y1) + np.matmul(x1, y3) + np.matmul(x2, y2) + np.matmul(x2, y1) + np.matmul(x1, y2)
-                   + np.matmul(x1, y1))
-        elif "x3" in str(input_precision).lower():
-            xb, yb = tf32_round(x), tf32_round(y)
-            xs, ys = tf32_round(x - xb), tf32_round(y - yb)
-            out = np.matmul(xs, yb) + np.matmul(xb, ys) + np.matmul(xb, yb)
-        else:
-            out = np.matmul(tf32_truncate(x), tf32_truncate(y))
+        split = "x3" in str(input_precision).lower()
+        product = (bf16x6_matmul if dots == "bf16x6" else tf32x3_matmul) if split else tf32_matmul
+        out = product(a.data, b.data)
         return interpreter.TensorHandle((out + d.data).astype(d.data.dtype), d.dtype.scalar)
 
     if dots != "exact":
