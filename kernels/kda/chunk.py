@@ -52,7 +52,8 @@ def _op(x, F32: tl.constexpr):
 @triton.jit
 def _dot(a, b, F32: tl.constexpr):
     """``a @ b`` with float32 accumulation. For float32 inputs (``F32``) in 3xTF32 (three tensor-core TF32
-    products that recover float32's mantissa): Triton's default for float32 operands, one TF32 product (10-bit
+    products that recover most of float32's mantissa, about 21 of its 24 bits: each operand split into two TF32
+    parts, the small-by-small product dropped): Triton's default for float32 operands, one TF32 product (10-bit
     mantissa), would give float32 inputs bf16-like accuracy, and IEEE float32 (FMA, no tensor cores) spilled
     kilobytes per thread in every kernel (benchmarks/kernel_resources.py). Otherwise the default: bf16 operands,
     and the float32-operand products with M in TF32."""
