@@ -102,7 +102,8 @@ def emulate(dots: str, exp: str) -> None:
 
         def nudged(x):
             y = np.exp(x)
-            return np.where(rng.random(y.shape) < 0.5, np.nextafter(y, np.inf), np.nextafter(y, -np.inf)).astype(x.dtype)
+            up = rng.random(y.shape) < 0.5
+            return np.where(up, np.nextafter(y, np.inf), np.nextafter(y, -np.inf)).astype(x.dtype)
 
         builder.create_exp = lambda self, arg: self.unary_op(arg, nudged)
 

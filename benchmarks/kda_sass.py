@@ -12,7 +12,7 @@ warp per chunk and head; Nsight Compute found the kernel issue- and latency-boun
 fewer instructions is what makes it faster.
 
     python benchmarks/kda_sass.py [--shape 8x2048x16x128] [--save] [--json counts.json]
-    python benchmarks/kda_sass.py --scan [--shape 1x16384x16x128] [--json counts.json]
+    python benchmarks/kda_sass.py --scan [--shape 1x16384x16x128] [--tuning '{"fwd_bv": 32}'] [--json counts.json]
 
 ``--scan`` counts instead the body of the forward state scan's chunk loop (``_scan_fwd``, or ``_scan_fwd_t`` where
 ``chunk._scan_plan`` picks it at the shape): one trip per chunk, split by opcode (tensor-core products, barriers,
@@ -99,6 +99,13 @@ def python_loops(trips: dict[str, int]) -> dict[str, tuple[int, int, int]]:
     return found
 
 
+def machine_loops(ins: list[tuple[str, int | None, str | None]]) -> list[tuple[int, int]]:
+    """``(first, last)`` instruction index of every loop of :func:`disassemble`'s output: a branch back to a label."""
+    labels = {lab: i for i, (_, _, lab) in enumerate(ins) if lab}
+    return [(labels[m.group(1)], i) for i, (text, _, _) in enumerate(ins)
+            if (m := _BACK.search(text)) and labels.get(m.group(1), i) < i]
+
+
 def count(B: int, T: int, H: int, D: int, tuning: dict, save: bool) -> tuple[int, int, list[Loop]]:
     """``(instructions per chunk and head, static instructions, loops)`` of ``_prep_fwd`` at this shape, bf16
     inputs, with ``tuning`` applied to ``chunk.TUNING``."""
@@ -108,13 +115,9 @@ def count(B: int, T: int, H: int, D: int, tuning: dict, save: bool) -> tuple[int
     k_steps, v_steps = -(-kw["K"] // kw["BK"]), -(-kw["V"] // kw["BV"])
     named = python_loops({"_intra_chunk#0": k_steps, "_inverse#0": kw["INV_BLOCK"] - 1, "_wy_chunk#0": k_steps,
                           "_wy_chunk#1": v_steps})
-    labels = {lab: i for i, (_, _, lab) in enumerate(ins) if lab}
     loops, total = [], len(ins)
-    for i, (text, _, _) in enumerate(ins):
-        m = _BACK.search(text)
-        if not m or labels.get(m.group(1), i) >= i:
-            continue
-        body = ins[labels[m.group(1)]:i + 1]
+    for lo, hi in machine_loops(ins):
+        body = ins[lo:hi + 1]
         # the loop's own instructions (induction, branch) carry the ``for`` line; ptxas attributes some inlined
         # arithmetic to other lines of the kernel, so the body's lines decide only where no ``for`` line appears
         votes = Counter(name for _, line, _ in body for name, (lo, _, _) in named.items() if line == lo)
@@ -129,25 +132,27 @@ def count(B: int, T: int, H: int, D: int, tuning: dict, save: bool) -> tuple[int
 
 def _read_next_trip(body: list[str], i: int) -> bool:
     """Whether the register that instruction ``i`` of a loop body loads is first read on the loop's next trip:
-    its first mention after ``i``, going round the body, lies at or before ``i`` (a source operand)."""
+    going round the body from ``i``, the first instruction that mentions it reads it (the register appears among
+    its source operands, after the first comma) and lies before ``i``. A register overwritten before any read is
+    not read at all (False)."""
     dest = re.search(r"\s(R\d+)", body[i]).group(1)
     mention = re.compile(rf"\b{dest}\b")
     for j in list(range(i + 1, len(body))) + list(range(i)):
         if mention.search(body[j]):
-            return j < i
+            _, _, sources = body[j].partition(",")
+            return j < i and bool(mention.search(sources))
     return False
 
 
-def scan_loop(B: int, T: int, H: int, D: int, save: bool) -> tuple[str, int, Counter, list[bool]]:
+def scan_loop(B: int, T: int, H: int, D: int, save: bool, tuning: dict | None = None
+              ) -> tuple[str, int, Counter, list[bool]]:
     """``(kernel, instructions, opcodes, ahead)`` of the forward scan's largest loop, its chunk loop, at this shape
-    (bf16, K = V = D): the body's instruction count, a count per opcode (``LDG`` only for plain global loads) and, per
-    plain global load, whether its value is first read on the next trip (loaded a chunk ahead)."""
-    launch = _kda(B, T, H, D, D, False, False, only=("_scan_fwd", "_scan_fwd_t"), save=save)[0]
+    (bf16, K = V = D; ``tuning`` applied to ``chunk.TUNING``): the body's instruction count, a count per opcode
+    (``LDG`` only for plain global loads) and, per plain global load, whether its value is first read on the next
+    trip (loaded a chunk ahead)."""
+    launch = _kda(B, T, H, D, D, False, False, only=("_scan_fwd", "_scan_fwd_t"), save=save, tuning=tuning)[0]
     ins = disassemble(aot.compile_kernel(launch).asm["cubin"])
-    labels = {lab: i for i, (_, _, lab) in enumerate(ins) if lab}
-    loops = [(labels[m.group(1)], i) for i, (text, _, _) in enumerate(ins)
-             if (m := _BACK.search(text)) and labels.get(m.group(1), i) < i]
-    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0])
+    lo, hi = max(machine_loops(ins), key=lambda ab: ab[1] - ab[0])
     body = [text for text, _, _ in ins[lo:hi + 1]]
     names = [re.split(r"[ .]", re.sub(r"^@!?U?P\w+\s+", "", text))[0] for text in body]
     ahead = [_read_next_trip(body, i) for i, name in enumerate(names) if name == "LDG"]
@@ -160,6 +165,8 @@ def main() -> None:
     p.add_argument("--save", action="store_true", help="the forward that saves for a backward")
     p.add_argument("--json", help="also write the counts to this path")
     p.add_argument("--scan", action="store_true", help="count the forward scan's chunk loop instead")
+    p.add_argument("--tuning", type=json.loads, default=None, metavar="JSON",
+                   help='with --scan: chunk.TUNING updates, e.g. \'{"fwd_scan": "plain"}\'')
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the kernels must be compilable JIT functions")
@@ -167,7 +174,7 @@ def main() -> None:
 
     B, T, H, D = (int(x) for x in args.shape.split("x"))
     if args.scan:
-        name, size, ops, ahead = scan_loop(B, T, H, D, args.save)
+        name, size, ops, ahead = scan_loop(B, T, H, D, args.save, args.tuning)
         keys = ("HMMA", "HGMMA", "BAR", "LDGSTS", "LDG")
         print(f"{name}, sm_90a, triton {triton.__version__}, B{B} T{T} H{H} D{D}: chunk loop {size} instructions, "
               + ", ".join(f"{k} {ops[k]}" for k in keys) + f"; plain loads read on the next trip: {ahead}")

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from benchmarks.kda_f32_emulation import bf16_round, bf16x6_matmul, tf32_matmul, tf32_round, tf32_truncate, tf32x3_matmul
+from benchmarks.kda_f32_emulation import (
+    bf16_round,
+    bf16x6_matmul,
+    tf32_matmul,
+    tf32_round,
+    tf32_truncate,
+    tf32x3_matmul,
+)
 
 
 def test_roundings():

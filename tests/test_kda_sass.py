@@ -37,9 +37,8 @@ def test_instruction_counts_match_every_loop(tmp_path):
 def test_scan_loop_has_one_plain_global_load(tmp_path):
     """``--scan``: the forward scan's chunk loop at B1 T16384 H16 D128 (the plain layout, 16-wide value blocks) is
     found, holds its products, and loads with one plain global load only, the next chunk's G_last, whose value is
-    first read on the loop's next trip (RESULTS.md,
-    "KDA launch settings": its wait was 40% of the scan's stalls when it was loaded where it is used; every other
-    per-chunk load goes through asynchronous copies)."""
+    first read on the loop's next trip (RESULTS.md, "KDA launch settings": its wait was 40% of the scan's stalls
+    when it was loaded where it is used; every other per-chunk load goes through asynchronous copies)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "scan.json"

@@ -919,10 +919,11 @@ def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.
                   NC: int, device: torch.device) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
     """The chunk table and ``((row_lo, row_hi, it_lo, it_hi), ...)`` segments the ``"fwd"`` or ``"bwd"`` launches
     run over: :func:`_segment_table` for :func:`_segments` > 1, else ``cidx`` whole, its chunks unbounded."""
-    P = _segments(which, B, H, T, C, cu_seqlens, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    P = _segments(which, B, H, T, C, cu_seqlens, capturing)
     if P == 1:
         return cidx, ((0, NC, 0, 2**31 - 1),)
-    return _segment_table(B, triton.cdiv(T, C), P, device)
+    return _segment_table(B, triton.cdiv(T, C), P, device, capturing)
 
 
 @functools.lru_cache(maxsize=64)
@@ -945,12 +946,13 @@ def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stre
     return torch.cat(parts).contiguous(), tuple(segs)
 
 
-def _segment_table(B: int, n_per: int, P: int, device: torch.device
+def _segment_table(B: int, n_per: int, P: int, device: torch.device, capturing: bool = False
                    ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
-    """:func:`_segment_table_cached` for the current stream (built afresh during CUDA graph capture)."""
+    """:func:`_segment_table_cached` for the current stream; built afresh while a CUDA graph is being captured
+    (``capturing``, as :func:`_segment_plan` found it)."""
     if device.type != "cuda":
         return _segment_table_cached(B, n_per, P, device, 0)
-    if torch.cuda.is_current_stream_capturing():
+    if capturing:
         return _segment_table_cached.__wrapped__(B, n_per, P, device, 0)
     return _segment_table_cached(B, n_per, P, device, torch.cuda.current_stream(device).cuda_stream)
 
