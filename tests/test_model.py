@@ -303,27 +303,38 @@ def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block,
     With random pseudo-queries the depth softmax is sharp and float32 itself errs by up to ~2e-3 on single
     parameters, so the yardstick is float32 PyTorch, not a fixed tolerance; and it is PyTorch on the GPU, whose
     float32 matrix products and attention err 1-3x more than the CPU's here (seeds 1, 2, 785300229 in session 7).
-    The kernels may err up to 3x that yardstick; for those three seeds they erred 0.65-1.14x."""
+    One draw of that ratio is not a sound measure: on some draws the sharp softmax amplifies rounding so much that
+    moving every exponential in the KDA kernels by one float32 ulp changes the error 3x (K3LIT_SEED=1278776756,
+    block 3: 12x PyTorch's error on the H200; ``benchmarks/kda_f32_emulation.py --exp ulp`` replays it on the CPU).
+    So the kernels' error may be up to 3x the yardstick's on at least three of five draws (models and batches from
+    ``seed``, ``seed + 1``, ...), which a kernel that is less accurate on most inputs still fails."""
     cfg = dict(residual=residual, attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
-    model = build(**cfg)
-    idx = torch.randint(0, TINY.vocab_size, (2, 37))
 
-    def loss(logits):
+    def loss(logits, idx):
         return torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), idx[:, 1:].flatten().to(logits.device))
 
-    def float32_on_gpu(kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def float32_on_gpu(model, idx, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
         m = K3LM(dataclasses.replace(TINY, kda_backend="triton" if kernels else "torch", **cfg)).cuda()
         m.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
         with monkeypatch.context() as patch:
             if not kernels:  # "auto" then takes the PyTorch forms of the AttnRes reads on CUDA too
                 patch.setattr(attn_res_ops, "_kernels", lambda: None)
-            value = loss(m(idx[:, :-1].cuda())[0])
+            value = loss(m(idx[:, :-1].cuda())[0], idx)
             value.backward()
         return value, torch.cat([p.grad.double().cpu().flatten() for p in m.parameters()])
 
-    ref_loss = loss(literal_forward(model, idx[:, :-1]))
-    ref_loss.backward()
-    ref = torch.cat([p.grad.double().cpu().flatten() for p in model.parameters()])
-    (gpu_loss, gpu), (torch_loss, torch_grads) = float32_on_gpu(True), float32_on_gpu(False)
-    assert abs(gpu_loss.item() - ref_loss.item()) <= 3 * abs(torch_loss.item() - ref_loss.item()) + 1e-6
-    assert rel_rms(gpu, ref) <= 3 * rel_rms(torch_grads, ref) + 1e-6
+    errors = []  # per draw: (kernels' loss error, PyTorch's, kernels' gradient error, PyTorch's)
+    for draw in range(5):
+        torch.manual_seed(seed + draw)
+        model = build(**cfg)
+        idx = torch.randint(0, TINY.vocab_size, (2, 37))
+        ref_loss = loss(literal_forward(model, idx[:, :-1]), idx)
+        ref_loss.backward()
+        ref = torch.cat([p.grad.double().cpu().flatten() for p in model.parameters()])
+        (gpu_loss, gpu), (torch_loss, torch_grads) = float32_on_gpu(model, idx, True), float32_on_gpu(model, idx, False)
+        errors.append((abs(gpu_loss.item() - ref_loss.item()), abs(torch_loss.item() - ref_loss.item()),
+                       rel_rms(gpu, ref), rel_rms(torch_grads, ref)))
+    print("loss and gradient errors (kernels, PyTorch) per draw:", errors)
+    # as accurate as float32 PyTorch within 3x (and 1e-6: float32's rounding of a loss near 7) on most draws
+    assert sum(lk <= 3 * lt + 1e-6 for lk, lt, _, _ in errors) >= 3, errors
+    assert sum(gk <= 3 * gt + 1e-6 for _, _, gk, gt in errors) >= 3, errors
