@@ -71,9 +71,6 @@ SWEEP = {
     "segments 4": dict(fwd_segments=4),
     "segments 8": dict(fwd_segments=8),
     "bwd segments 4": dict(bwd_segments=4),
-    "no pairs": dict(fwd_pairs="off"),
-    "pairs, scan bv32": dict(fwd_bv=32),
-    "pairs, scan 8 warps": dict(scan_warps=8),
 }
 #: Settings that leave every result bit-identical (the same arithmetic in the same order, split differently).
 BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
@@ -90,10 +87,7 @@ FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps"
 #: benchmarks/kda_sass.py. The H200 sweep of session 10 (kda_sweep_h200_s10_inverse.json) found 16 the fastest.
 INVERSE_VARIANTS = ["inverse by substitution", "inverse 8", "inverse 4"]
 #: ``--variants`` group names.
-#: The forward without gradients in pairs of chunks (the default) against one chunk a step, and the pair scan's
-#: value block and warps.
-PAIR_VARIANTS = ["no pairs", "pairs, scan bv32", "pairs, scan 8 warps"]
-VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS, "pairs": PAIR_VARIANTS}
+VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS}
 
 
 def shape(text: str) -> tuple[int, int, int, int]:

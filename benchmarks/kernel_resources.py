@@ -63,8 +63,8 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     beta = torch.empty(B, T, H, **bf)
     bias = torch.empty(H * K, device=META) if gate else None
     fusion = (bias, -5.0 if gate else None, l2)
-    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_prep_pair_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd",
-             "_scan_bwd", "_scan_bwd_t", "_main_bwd")
+    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t",
+             "_main_bwd")
     with aot.record_launches(chunk, *names) as launches:
         o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
                                                                *fusion, save=save)
@@ -146,10 +146,6 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, no backward, inverse by substitution": _kda(
             4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",), tuning=dict(inverse_block=32), save=False),
         "KDA K=V=128, no backward": _kda(4, 4096, 16, 128, 128, False, False, only=("_prep_fwd",), save=False),
-        "KDA K=V=128, B1 H16, no backward (pairs of chunks)": _kda(
-            1, 16384, 16, 128, 128, False, False, only=("_prep_pair_fwd", "_scan_fwd", "_out_fwd"), save=False),
-        "KDA K=V=256, no backward (pairs of chunks)": _kda(
-            1, 8192, 32, 256, 256, False, False, only=("_prep_pair_fwd", "_scan_fwd", "_out_fwd"), save=False),
         "KDA K=V=128, pipeline segments": _kda(4, 4096, 16, 128, 128, False, False,
                                                only=("_out_fwd", "_main_bwd"),
                                                tuning=dict(fwd_segments=4, bwd_segments=4, fwd_scan="plain")),

@@ -336,94 +336,6 @@ def _prep_fwd(
 
 
 @triton.jit
-def _merge_pair(Gc, Kd, Qg, W, U, Mi, i_h, t0, n_b, rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr):
-    """Rewrite the scan operands of two consecutive chunks a (full, from ``t0``) and b (``n_b`` rows from
-    ``t0 + C``), already stored by :func:`_prep_fwd`'s work, into those of one 2C-token chunk. Substituting a's
-    update S_b = D_a S_a + Kd_a^T Delta_a (D = Diag(exp(G_last))) into b's Delta_b = U_b - W_b S_b, with
-    X = W_b Kd_a^T (which does not depend on the state)::
-
-        Delta_b = (U_b - X U_a) - (W_b D_a - X W_a) S_a
-        S_b'    = D_b D_a S_a + (Kd_a D_b)^T Delta_a + Kd_b^T Delta_b
-        O_b     = (Qg_b D_a) S_a + (Qg_b Kd_a^T) Delta_a + Aq_b Delta_b
-
-    so W_b <- W_b D_a - X W_a, U_b <- U_b - X U_a, Kd_a <- Kd_a D_b, Qg_b <- Qg_b D_a, and Qg_b Kd_a^T (``[C, C]``,
-    rounded to TF32 like Aq) goes to ``Mi`` at b's rows. Every factor is a decay <= 1 or a product of the stored
-    operands: no exponent grows. X and the stored U_a enter their products in TF32 (rounded to nearest; W_a, Qg_b,
-    Kd_a are bf16, exact in TF32)."""
-    tok_a = t0 + rows
-    tok_b = t0 + C + rows
-    m_b = rows < n_b
-    X = tl.zeros([C, C], dtype=tl.float32)
-    Aqba = tl.zeros([C, C], dtype=tl.float32)
-    for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        m_c = (cols < K)[None, :]
-        offa = tok_a[:, None] * (H * K) + i_h * K + cols[None, :]
-        offb = tok_b[:, None] * (H * K) + i_h * K + cols[None, :]
-        b_kd = tl.load(Kd + offa, mask=m_c, other=0.0)
-        X += _dot(_op(tl.load(W + offb, mask=m_b[:, None] & m_c, other=0.0), F32), tl.trans(_op(b_kd, F32)), F32)
-        Aqba += _dot_aq(tl.load(Qg + offb, mask=m_b[:, None] & m_c, other=0.0), tl.trans(b_kd), F32)
-    tl.debug_barrier()  # every thread has read W_b, Kd_a and Qg_b before they are overwritten
-    Xt = _tf32(X, F32)
-    for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        m_c = cols < K
-        offa = tok_a[:, None] * (H * K) + i_h * K + cols[None, :]
-        offb = tok_b[:, None] * (H * K) + i_h * K + cols[None, :]
-        mkb = m_b[:, None] & m_c[None, :]
-        d_a = tl.exp(_g_last(Gc, t0, C, i_h, cols, m_c, H, K))
-        d_b = tl.exp(_g_last(Gc, t0 + C, n_b, i_h, cols, m_c, H, K))
-        b_wa = tl.load(W + offa, mask=m_c[None, :], other=0.0).to(tl.float32)
-        b_wb = tl.load(W + offb, mask=mkb, other=0.0).to(tl.float32)
-        tl.store(W + offb, (b_wb * d_a[None, :] - _dot_aq(Xt, b_wa, F32)).to(W.dtype.element_ty), mask=mkb)
-        b_kd = tl.load(Kd + offa, mask=m_c[None, :], other=0.0).to(tl.float32)
-        tl.store(Kd + offa, (b_kd * d_b[None, :]).to(Kd.dtype.element_ty), mask=m_c[None, :])
-        b_qg = tl.load(Qg + offb, mask=mkb, other=0.0).to(tl.float32)
-        tl.store(Qg + offb, (b_qg * d_a[None, :]).to(Qg.dtype.element_ty), mask=mkb)
-    for vb in range(0, V, BV):
-        cols = vb + tl.arange(0, BV)
-        m_c = cols < V
-        offa = tok_a[:, None] * (H * V) + i_h * V + cols[None, :]
-        offb = tok_b[:, None] * (H * V) + i_h * V + cols[None, :]
-        mvb = m_b[:, None] & m_c[None, :]
-        b_ua = _tf32(tl.load(U + offa, mask=m_c[None, :], other=0.0).to(tl.float32), F32)
-        b_ub = tl.load(U + offb, mask=mvb, other=0.0).to(tl.float32)
-        tl.store(U + offb, (b_ub - _dot_aq(Xt, b_ua, F32)).to(U.dtype.element_ty), mask=mvb)
-    tl.store(Mi + _cc_offsets(tok_b, i_h, rows, H, C), _tf32(Aqba, F32), mask=m_b[:, None])
-
-
-@triton.jit
-def _prep_pair_fwd(
-    k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, cidx, scale, bias, g_min, rnq, rnk,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, INV_BLOCK: tl.constexpr,
-):
-    """Per (pair of C-token chunks, head), row ``program_id(0)`` of the 2C-token chunk table ``cidx``: the work of
-    :func:`_prep_fwd` without a backward to follow (``SAVE`` off) for the pair's first chunk, then its second (if
-    the sequence has one), then :func:`_merge_pair`, so that :func:`_scan_fwd` (``PAIR``) walks 2C-token chunks:
-    half the sequential steps and half the stored states (``TUNING["fwd_pairs"]``). The chunks' own work, and so
-    every exponent bound, is that of C-token chunks."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    _, t0, n_pair = _chunk_bounds(cu, cidx, i_c, 2 * C)
-    rows = tl.arange(0, C)
-    n_a = tl.minimum(n_pair, C)
-    for half in tl.static_range(2):
-        t1 = t0 + half * C
-        n_valid = n_a if half == 0 else n_pair - C
-        if n_valid > 0:
-            m_t = rows < n_valid
-            tok = t1 + rows
-            L, r_k = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t1, n_valid, rows,
-                                  m_t, tok, H, K, C, BK, F32, GATE, L2, False)
-            _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32,
-                      L2, False, GATE, True, INV_BLOCK)
-    if n_pair > C:
-        tl.debug_barrier()  # the merge reads what every thread of this program stored
-        _merge_pair(Gc, Kd, Qg, W, U, Mi, i_h, t0, n_pair - C, rows, H, K, V, C, BK, BV, F32)
-
-
-@triton.jit
 def _scan_seq(cu, coff, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr):
     """A scan program's sequence, head and tiles: ``(i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v)``
@@ -496,15 +408,6 @@ def _g_last_of(Gc, bos, eos, it, ok, i_h, rk, m_k, H: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _g_mid_of(Gc, bos, eos, it, ok, i_h, rk, m_k, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
-    """For a scan over pairs of ``C // 2``-token chunks (``PAIR``): G_last of the first chunk of pair ``it`` where
-    ``ok`` and the pair has a second chunk, else zeros. In the stored G each chunk's cumulative sum starts afresh, so
-    the pair's decay is exp(this + :func:`_g_last_of`); loaded one pair ahead, as that one."""
-    t0 = bos + it * C
-    return _g_last(Gc, t0, C // 2, i_h, rk, m_k & ok & (eos - t0 > C // 2), H, K)
-
-
-@triton.jit
 def _cc_offsets(tok, i_h, rows, H: tl.constexpr, C: tl.constexpr):
     """Offsets of a chunk's ``[C, C]`` tile (Aq, L or M) in a ``[T_total, H, C]`` tensor."""
     return tok[:, None] * (H * C) + i_h * C + rows[None, :]
@@ -515,29 +418,20 @@ def _scan_fwd(
     Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi, Qg, Aq, o,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, OUT: tl.constexpr, SAVE: tl.constexpr,
-    PAIR: tl.constexpr,
 ):
     """Per (value block, sequence x head): S_{n+1} = Diag(exp(G_last)) S_n + Kd^T (U - W S_n), over the chunks
     ``it_lo <= it < it_hi`` of each sequence (a segment of :func:`chunk_fwd`'s pipeline: the state enters from
     ``h0`` and leaves to ``ht`` in float32, so segments chain without rounding). Stores every chunk's entering
     state and Delta for :func:`_out_fwd`; or, with ``OUT``, writes O = Qg S + Aq Delta itself (from the same
-    bf16-rounded S and Delta) and stores the states and Delta only when ``SAVE`` (for the backward). With
-    ``PAIR`` each C-token step is a pair of C/2-token chunks whose operands :func:`_merge_pair` rewrote, and whose
-    decay is the sum of the two chunks' stored G_last (:func:`_g_mid_of`)."""
+    bf16-rounded S and Delta) and stores the states and Delta only when ``SAVE`` (for the backward)."""
     i_nh, i_h, bos, eos, c0, n_chunks, rk, cv, rows, m_k, m_v = _scan_seq(cu, coff, H, K, V, C, BK, BV)
     off_s, m_kv, base, S = _state_start(h0, i_nh, rk, cv, m_k, m_v, K, V, HAS_H0, False)
     end = tl.minimum(n_chunks, it_hi)
     g_next = _g_last_of(Gc, bos, eos, it_lo, it_lo < end, i_h, rk, m_k, H, K, C)
-    if PAIR:
-        g_mid = _g_mid_of(Gc, bos, eos, it_lo, it_lo < end, i_h, rk, m_k, H, K, C)
     for it in range(it_lo, end):
         t0, n_valid, m_t, tok, offk, mk, offv, mv = _scan_chunk(bos, eos, it, i_h, rows, rk, cv, m_k, m_v, H, K, V,
                                                                 C)
-        if PAIR:
-            decay = tl.exp(g_next + g_mid)  # read one trip after their loads were issued
-            g_mid = _g_mid_of(Gc, bos, eos, it + 1, it + 1 < end, i_h, rk, m_k, H, K, C)
-        else:
-            decay = tl.exp(g_next)  # read one trip after its load was issued
+        decay = tl.exp(g_next)  # read one trip after its load was issued
         g_next = _g_last_of(Gc, bos, eos, it + 1, it + 1 < end, i_h, rk, m_k, H, K, C)
         if SAVE or not OUT:
             tl.store(h + ((c0 + it) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_kv)
@@ -597,22 +491,15 @@ def _scan_fwd_t(
 
 @triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _out_fwd(
-    Qg, Aq, D, h, o, cu, cidx, coff, Mi,
+    Qg, Aq, D, h, o, cu, cidx, coff,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, SEGMENT: tl.constexpr, PAIR: tl.constexpr,
+    F32: tl.constexpr, SEGMENT: tl.constexpr,
 ):
     """Per (value block, chunk, head): O = scale (Q⊙exp(G)) S + Aq Delta. The chunk table ``cidx`` may be a
-    pipeline segment's (``SEGMENT``): the chunk's state is then found by its sequence and position. With ``PAIR``
-    the states are those entering pairs of chunks (``coff``: each sequence's first pair), and the second chunk of a
-    pair adds (Qg_b Kd_a^T) Delta_a, its queries' scores against the first chunk's keys that :func:`_merge_pair`
-    left in ``Mi`` (its Qg already carries the first chunk's decay)."""
+    pipeline segment's (``SEGMENT``): the chunk's state is then found by its sequence and position."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
-    if PAIR:
-        i_t = tl.load(cidx + 2 * i_c + 1)
-        i_g = tl.load(coff + i_n).to(tl.int64) + i_t // 2
-    else:
-        i_g = _global_chunk(coff, cidx, i_c, i_n, SEGMENT)
+    i_g = _global_chunk(coff, cidx, i_c, i_n, SEGMENT)
     rows = tl.arange(0, C)
     m_t = rows < n_valid
     tok = t0 + rows
@@ -634,11 +521,6 @@ def _out_fwd(
     mv = m_t[:, None] & m_v[None, :]
     b_d = tl.load(D + offv, mask=mv, other=0.0)
     acc += _dot_aq(b_a, b_d, F32)
-    if PAIR:
-        if i_t % 2 == 1:
-            b_x = tl.load(Mi + offc, mask=m_t[:, None], other=0.0)
-            b_da = tl.load(D + offv - C * (H * V), mask=m_v[None, :], other=0.0)  # the first chunk's, all full
-            acc += _dot_aq(b_x, b_da, F32)
     tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mv)
 
 
@@ -1009,8 +891,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="separate",
-                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16,
-                    fwd_pairs="auto")
+                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16)
 
 
 def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> int:
@@ -1027,18 +908,6 @@ def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tens
     if P == "auto":
         P = 4 if which == "bwd" and B * H <= 16 and n >= 512 else 1
     return P if cu_seqlens is None and n > 1 else 1
-
-
-def _pairs(save: bool, transposed: bool, fused_out: bool, C: int, segments: int) -> bool:
-    """Whether the forward scans pairs of chunks (:func:`_prep_pair_fwd`, :func:`_scan_fwd` with ``PAIR``):
-    ``TUNING["fwd_pairs"] = "auto"`` takes them for a forward without a backward to follow (``save`` off: the
-    backward reads every chunk's state) on the plain scan with the separate output kernel, in one pipeline segment,
-    at C <= 32 (so the scan's tiles stay at most 64 rows) and with the fused per-chunk kernel; ``"off"`` never."""
-    mode = TUNING["fwd_pairs"]
-    if mode not in ("auto", "off"):
-        raise ValueError(f'TUNING["fwd_pairs"] must be "auto" or "off", got {mode!r}')
-    return (mode == "auto" and not save and not transposed and not fused_out and C <= 32 and segments == 1
-            and TUNING["fwd_prep"] == "fused")
 
 
 def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None, cidx: torch.Tensor,
@@ -1227,19 +1096,6 @@ def chunk_fwd(
     fus = dict(H=H, K=K, C=C, F32=F32, GATE=gate, L2=qk_l2norm)
     inv_block = min(TUNING["inverse_block"] or C, C)
     table, segs = _segment_plan("fwd", B, H, T, C, cu_seqlens, cidx, NC, q.device)
-    BVo = min(64, _pow2(V))  # _out_fwd's value block
-    if _pairs(save, transposed, fused_out, C, len(segs)):
-        _, cidx2, coff2, NC2 = chunk_meta(cu_seqlens, B, T, 2 * C, q.device)
-        _prep_pair_fwd[(NC2, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, cu, cidx2, scale, bias, gmin, rnq, rnk,
-                                 V=V, BV=BVw, BK=BKw, INV_BLOCK=inv_block, num_warps=TUNING["prep_warps"], **fus)
-        _scan_fwd[(triton.cdiv(V, BV), N * H)](Kd, Gc, W, U, D, h, initial_state, ht, cu, coff2, 0, 2**31 - 1, Qg,
-                                               Aq, o, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-                                               OUT=False, SAVE=False, PAIR=True, **dict(meta, C=2 * C),
-                                               num_stages=2 if BK > 128 else 3)  # K 256: 3 stages need 232 KiB
-        _out_fwd[(triton.cdiv(V, BVo), NC, H)](Qg, Aq, D, h, o, cu, cidx, coff2, Mi, H=H, K=K, V=V, C=C, BK=BKo,
-                                               BV=BVo, F32=F32, SEGMENT=False, PAIR=True,
-                                               num_warps=TUNING["out_warps"])
-        return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
     with _pipeline(q.device, len(segs)) as (main, side):
         for i, (r0, r1, it_lo, it_hi) in enumerate(segs):
             rows = table[r0:r1]
@@ -1261,13 +1117,13 @@ def chunk_fwd(
                 if transposed:
                     _scan_fwd_t[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, SAVE=save, **seg_meta)
                 else:
-                    _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fused_out, SAVE=save, PAIR=False,
-                                                           **seg_meta)
+                    _scan_fwd[(triton.cdiv(V, BV), N * H)](*scan_args, Qg, Aq, o, OUT=fused_out, SAVE=save, **seg_meta)
             if not (transposed or fused_out):
+                BVo = min(64, _pow2(V))
                 with _on(side and side[1], side and side[0]):
-                    _out_fwd[(triton.cdiv(V, BVo), r1 - r0, H)](Qg, Aq, D, h, o, cu, rows, coff, Mi, H=H, K=K, V=V,
-                                                                C=C, BK=BKo, BV=BVo, F32=F32, SEGMENT=len(segs) > 1,
-                                                                PAIR=False, num_warps=TUNING["out_warps"])
+                    _out_fwd[(triton.cdiv(V, BVo), r1 - r0, H)](Qg, Aq, D, h, o, cu, rows, coff, H=H, K=K, V=V, C=C,
+                                                                BK=BKo, BV=BVo, F32=F32, SEGMENT=len(segs) > 1,
+                                                                num_warps=TUNING["out_warps"])
     return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
 
 

@@ -122,12 +122,11 @@ def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_inference_forward_equals_training_forward(seed, scan_layout, monkeypatch, fused):
+def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
     """Without a backward to follow, the forward skips what only the backward reads (M; the states and Delta on
     the transposed scan): o and the final state stay bit-identical to those of the forward that saves them."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import kda_triton
 
-    monkeypatch.setitem(chunk.TUNING, "fwd_pairs", "off")  # pairs of chunks: test_paired_inference_forward
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 24, N=2)
     cu = torch.tensor([0, 9, 70], device=DEV)
     kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * 16, device=DEV)) if fused else {}
@@ -138,59 +137,6 @@ def test_inference_forward_equals_training_forward(seed, scan_layout, monkeypatc
     o, ht = kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
     assert o.requires_grad
     assert torch.equal(o_inf, o.detach()) and torch.equal(ht_inf, ht.detach())
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        dict(B=2, T=100, H=2, K=40, V=36),  # 4 chunks, the last partial; K, V over two 32-wide steps, masked
-        dict(B=1, T=70, H=2, K=16, V=24),  # 3 chunks: the last pair has no second chunk
-        dict(B=1, T=100, H=2, K=24, V=16, gate="zero"),  # no decay: paths through a whole chunk count fully
-        dict(B=1, T=220, H=1, K=16, V=16, cu=[0, 9, 50, 120, 140, 220]),  # 1, 2 (partial), 3, 1, 3 chunks
-        dict(B=1, T=37, H=1, K=16, V=16, g_min=-10.0, gate="min"),  # C = 16, exponents at their bound
-        dict(B=1, T=45, H=2, K=24, V=16, fused=True),  # the fused gate and L2 norm
-        dict(B=1, T=1, H=1, K=16, V=16),
-    ],
-)
-def test_paired_inference_forward(seed, monkeypatch, case):
-    """Without a backward to follow, the plain scan walks pairs of chunks (``TUNING["fwd_pairs"] = "auto"``):
-    ``_prep_pair_fwd`` rewrites each pair's operands into one 2C-token step and ``_out_fwd`` adds the second
-    chunk's scores against the first's keys. o and the final state against the float64 reference, and against the
-    one-chunk scan (within float32 rounding; bit-identity is not expected: the sums run in another order)."""
-    from k3lit.kernels.kda import chunk, kda_triton
-
-    case = dict(case)
-    fused, cu, g_min = case.pop("fused", False), case.pop("cu", None), case.pop("g_min", -5.0)
-    cu = None if cu is None else torch.tensor(cu, device=DEV)
-    N = case["B"] if cu is None else len(cu) - 1
-    q, k, v, g, beta, h0 = make_inputs(**case, g_min=g_min, N=N)
-    kw = dict(g_min=g_min)
-    if fused:  # pre-activation e and unnormalised q, k: the kernel forms g and the norms
-        kw.update(use_gate_in_kernel=True, gate_bias=torch.randn(q.shape[2] * q.shape[3], device=DEV),
-                  use_qk_l2norm_in_kernel=True)
-        g, q, k = torch.randn_like(g), q * 3, k * 0.5
-    monkeypatch.setitem(chunk.TUNING, "fwd_scan", "plain")
-    launches = []
-    pair_kernel = chunk._prep_pair_fwd
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return pair_kernel[grid]
-
-    monkeypatch.setattr(chunk, "_prep_pair_fwd", Spy())
-    got = {}
-    for mode in ("off", "auto"):
-        monkeypatch.setitem(chunk.TUNING, "fwd_pairs", mode)
-        with torch.no_grad():
-            got[mode] = kda_triton(q, k, v, g, beta, None, h0, True, cu, **kw)
-    n_pairs = sum(-(-n // 64) for n in (cu.diff().tolist() if cu is not None else [case["T"]] * case["B"]))
-    assert launches == [(n_pairs if g_min == -5.0 else -(-case["T"] // 32), case["H"])]
-    for a, b in zip(got["auto"], got["off"]):
-        assert rel_rms(a, b) < 1e-6
-    if not fused:
-        ref = kda_reference(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), True, cu)
-        assert rel_rms(got["auto"][0], ref[0]) < TOL_F32 and rel_rms(got["auto"][1], ref[1]) < TOL_F32
 
 
 @pytest.mark.parametrize("segments,expect", [(4, [(0, 2, 0, 1), (2, 4, 1, 2), (4, 6, 2, 3), (6, 10, 3, 5)]),
@@ -321,8 +267,7 @@ def test_forward_forming_g_twice(seed, monkeypatch, variant, fused):
 def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout, monkeypatch, prep, save):
     """``chunk_fwd(save=False)`` leaves M unwritten (NaN: every buffer starts NaN here; split, Mi keeps L, zero on
     the diagonal, where M has ones) and, on the transposed scan, the per-chunk states and Delta; with ``save`` all
-    are written. The plain scan's output kernel reads the states, so it writes them either way: without ``save``
-    (fused prep) those entering pairs of chunks, with the second chunk's scores against the first's keys in Mi."""
+    are written. The plain scan's output kernel reads the states, so it writes them either way."""
     from k3lit.kernels.kda import chunk
 
     monkeypatch.setitem(chunk.TUNING, "fwd_prep", prep)
@@ -332,17 +277,12 @@ def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout,
                                                       qk_l2norm=True, save=save)
     rows = Mi[0, :, 0, :]  # [T, C]: row t of its chunk's matrix
     diag = rows[torch.arange(70), torch.arange(70) % 32]
-    pairs = not save and prep == "fused" and scan_layout == "plain"
     if save or prep == "split":
         assert torch.equal(diag, torch.full_like(diag, 1.0 if save else 0.0))
-    elif pairs:  # the pairs' second chunks: rows 32-63
-        assert bool(Mi[:, 32:64].isfinite().all()) and bool(Mi[:, :32].isnan().all() and Mi[:, 64:].isnan().all())
     else:
         assert bool(Mi.isnan().all())
     written = save or scan_layout == "plain"
-    n_states = 2 if pairs else NC
-    assert bool(h[:n_states].isfinite().all()) == written and bool(D.isfinite().all()) == written
-    assert not (pairs and bool(h[n_states:].isfinite().any()))
+    assert bool(h[:NC].isfinite().all()) == written and bool(D.isfinite().all()) == written
 
 
 @pytest.mark.parametrize("gate", ["min", "zero"])
@@ -682,36 +622,6 @@ def test_gpu_varlen(seed, scan_layout):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device="cuda")
     inputs = make_inputs(1, sum(lens), 2, 128, 128, dtype=torch.bfloat16, N=len(lens), device="cuda")
     assert_errors(run_both(inputs, cu_seqlens=cu), TOL_BF16)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize(
-    "B,T,H,K,V,dtype,gate,lens",
-    [
-        (2, 1024, 4, 128, 128, torch.bfloat16, "random", None),
-        (1, 1000, 2, 256, 256, torch.bfloat16, "random", None),  # D256: 8 warps, a partial last pair
-        (1, 496, 2, 100, 72, torch.bfloat16, "zero", [1, 100, 64, 300, 31]),  # varlen, masked K and V, no decay
-        (1, 777, 2, 128, 128, torch.float32, "random", None),  # 3xTF32 products: float32 tolerance
-    ],
-)
-def test_gpu_paired_inference_forward(seed, monkeypatch, B, T, H, K, V, dtype, gate, lens):
-    """The forward without gradients scans pairs of chunks (``TUNING["fwd_pairs"]``): o and the final state within
-    the tolerances against the float64 reference, beside the one-chunk scan's errors on the same inputs."""
-    from k3lit.kernels.kda import chunk, kda_triton
-
-    cu = None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, dtype=dtype, gate=gate, N=len(lens or [0] * B), device="cuda")
-    ref = kda_reference(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), True, cu)
-    monkeypatch.setitem(chunk.TUNING, "fwd_scan", "plain")
-    err = {}
-    for mode in ("off", "auto"):
-        monkeypatch.setitem(chunk.TUNING, "fwd_pairs", mode)
-        with torch.no_grad():
-            o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu)
-        err[mode] = {"o": rel_rms(o, ref[0]), "ht": rel_rms(ht, ref[1])}
-    assert_errors(err["auto"], TOL_F32 if dtype == torch.float32 else TOL_BF16)
-    print(f"paired {err['auto']} one-chunk {err['off']}")
 
 
 @pytest.mark.gpu
