@@ -41,6 +41,7 @@ SWEEP = {
     "fwd plain": dict(fwd_scan="plain"),
     "fwd transposed": dict(fwd_scan="transposed"),
     "fwd plain bv32": dict(fwd_scan="plain", fwd_bv=32),
+    "fwd plain bv64": dict(fwd_scan="plain", fwd_bv=64),
     "bwd plain": dict(bwd_scan="plain"),
     "bwd transposed": dict(bwd_scan="transposed"),
     "main_bwd bv32": dict(main_bwd_bv=32),
@@ -87,7 +88,11 @@ FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps"
 #: benchmarks/kda_sass.py. The H200 sweep of session 10 (kda_sweep_h200_s10_inverse.json) found 16 the fastest.
 INVERSE_VARIANTS = ["inverse by substitution", "inverse 8", "inverse 4"]
 #: ``--variants`` group names.
-VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS}
+#: The forward scan's layouts and value blocks, and the scan writing the output, untimed since the scans load G_last
+#: ahead (sessions 11-12): candidates where the forward still misses 1.5x fla (T32768, H96, D256; RESULTS.md).
+SCAN_VARIANTS = ["fwd plain", "fwd transposed", "fwd transposed bv32", "fwd plain bv64", "fwd plain fused out",
+                 "segments 4"]
+VARIANT_GROUPS = {"forward": FORWARD_VARIANTS, "inverse": INVERSE_VARIANTS, "scan": SCAN_VARIANTS}
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
