@@ -900,9 +900,10 @@ def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tens
     reverse scan is one long latency-bound chain beside little other work, B·H <= 16 and at least 512 chunks a
     sequence (T >= 16384 at C = 32: forward+backward 3.57 -> 3.26 ms at B1·T16384·H16, 13.94 -> 12.68 at T65536 on
     the H200, session 12), and never forward segments: since the forward scans load G_last ahead (session 11) the
-    forward without segments was faster or within 1% at every shape timed, eagerly (3.62 against 3.68 ms at T65536,
-    1.83 against 1.87 at T32768) and replayed from a CUDA graph (0.94 against 1.00 ms at B1·T16384·H16, 0.86
-    against 0.85 at B2·T8192·H16; benchmarks/RESULTS.md, "KDA launch settings")."""
+    forward without segments was faster or within 1% at every shape timed but B1·T8192·H96 (4 segments 1.78
+    against 1.86 ms there, not taken as a rule fitted to one shape), eagerly (3.62 against 3.68 ms at T65536, 1.83
+    against 1.87 at T32768) and replayed from a CUDA graph (0.94 against 1.00 ms at B1·T16384·H16, 0.86 against 0.85
+    at B2·T8192·H16; benchmarks/RESULTS.md, "KDA launch settings")."""
     P = TUNING[which + "_segments"]
     n = triton.cdiv(T, C)
     if P == "auto":
