@@ -49,3 +49,30 @@ def test_scan_loop_has_one_plain_global_load(tmp_path):
     assert row["kernel"] == "_scan_fwd"
     assert row["ops"].get("HMMA", 0) + row["ops"].get("HGMMA", 0) > 0 and row["ops"]["LDGSTS"] > 0, row
     assert row["ops"]["LDG"] == 1 and row["ahead"] == [True], row
+
+
+def test_rebased_exponentials_flush_subnormals_and_no_others(tmp_path):
+    """``chunk._exp_rebased``: in ``_prep_fwd``'s sm_90a PTX the exponentials of the rebased exponents (|x| <= 87,
+    normal results) are ``ex2.approx.ftz.f32``, the others (exp(G), down to e^-160 at C = 32: subnormal results
+    must stay) the plain ``ex2.approx.f32``; float32 inputs take ``tl.exp`` throughout."""
+    code = """
+import json, sys
+sys.path.insert(0, ".")
+import torch
+from benchmarks.kernel_resources import _kda
+from k3lit.kernels import aot
+out = {}
+for name, dtype in (("bf16", torch.bfloat16), ("f32", torch.float32)):
+    launch = _kda(1, 4096, 16, 128, 128, False, False, dtype, only=("_prep_fwd",), save=False)[0]
+    ptx = aot.compile_kernel(launch).asm["ptx"]
+    out[name] = [ptx.count("ex2.approx.ftz.f32"), ptx.count("ex2.approx.f32")]
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    assert counts["bf16"][0] > 0 and counts["bf16"][1] > 0, counts
+    assert counts["f32"][0] == 0 and counts["f32"][1] > 0, counts

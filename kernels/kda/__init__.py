@@ -164,7 +164,7 @@ def kda_triton(
 
     Raises:
         ValueError: mismatched shapes or dtypes, K or V above 256, an unsupported chunk size, a g_min for
-            which ``exp(±(G - G_r))`` could overflow (``|g_min| * ceil((C - 1) / 2) > 88`` even at C = 16), or a
+            which ``exp(±(G - G_r))`` passes its limit (``|g_min| * ceil((C - 1) / 2) > 87`` even at C = 16), or a
             gate_bias without use_gate_in_kernel / of the wrong size.
 
     The gate is not checked against g_min on the device (that would synchronise); a g below g_min can

@@ -91,6 +91,23 @@ def _dot_aq(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _exp_rebased(x, F32: tl.constexpr):
+    """``exp(x)`` of a rebased exponent, |x| <= ``EXP_LIMIT`` = 87 (k3lit/ops/kda/validate.py): G - G_r, G_r and
+    G_last - G_r in :func:`_intra_chunk`. Triton's ``tl.exp`` is ``ex2.approx.f32`` of x log2(e), which ptxas wraps
+    in a subnormal fix-up (a compare and two predicated multiplies around each ``MUFU.EX2``); for |x| <= 87 < 87.34
+    every result is a normal float32, where ``ex2.approx.ftz.f32`` gives the same bits without the fix-up:
+    ``_prep_fwd`` issues 16.3k warp instructions a chunk and head instead of 17.0k on triton 3.6 (16.8k for 17.7k
+    on 3.8; ``benchmarks/kda_sass.py``). ``_main_bwd`` keeps ``tl.exp``: there the same change raised its spills at
+    K = 256 from 196 to 236 B a thread (triton 3.6). With ``F32`` (float32 inputs, and always under the
+    interpreter, which runs no inline PTX) ``tl.exp``."""
+    if F32:
+        return tl.exp(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _row(x, rows, i):
     """Row ``i`` of a ``[C, X]`` register tile as a ``[X]`` vector."""
     return tl.sum(tl.where((rows == i)[:, None], x, 0.0), axis=0)
@@ -213,8 +230,8 @@ def _intra_chunk(
         b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
         tl.store(Gc + off, b_G, mask=msk if GC_ALL else msk & (rows == n_valid - 1)[:, None])
         b_Gr = _row(b_G, rows, R)
-        up = tl.exp(b_G - b_Gr[None, :])  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 88: finite
-        dn = tl.exp(b_Gr[None, :] - b_G)
+        up = _exp_rebased(b_G - b_Gr[None, :], F32)  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 87
+        dn = _exp_rebased(b_Gr[None, :] - b_G, F32)
         b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
         b_q = tl.load(q + off, mask=msk, other=0.0).to(tl.float32)
         if L2:
@@ -222,10 +239,10 @@ def _intra_chunk(
             b_q *= r_q[:, None]
         g_last = _row(b_G, rows, n_valid - 1)
         # exp(G_last - G) = dn exp(G_last - G_R) and exp(G) = up exp(G_R): two exponentials of the tile, not four.
-        # |G_R| and |G_last - G_R| <= |g_min| * ceil((C - 1) / 2) <= 88, so each factor is at least e^-88, which
-        # float32 holds as a subnormal (ex2.approx.f32 and mul.f32 without .ftz keep subnormals: 22 bits at worst)
-        tl.store(Kd + off, (b_k * dn * tl.exp(g_last - b_Gr)[None, :]).to(Kd.dtype.element_ty), mask=msk)
-        tl.store(Qg + off, (b_q * up * (tl.exp(b_Gr) * scale)[None, :]).to(Qg.dtype.element_ty), mask=msk)
+        # |G_R| and |G_last - G_R| <= |g_min| * ceil((C - 1) / 2) <= 87, so each factor is at least e^-87, a
+        # normal float32
+        tl.store(Kd + off, (b_k * dn * _exp_rebased(g_last - b_Gr, F32)[None, :]).to(Kd.dtype.element_ty), mask=msk)
+        tl.store(Qg + off, (b_q * up * (_exp_rebased(b_Gr, F32) * scale)[None, :]).to(Qg.dtype.element_ty), mask=msk)
         b_kdn = b_k * dn
         A += _dot(_op(b_k * up, F32), tl.trans(_op(b_kdn, F32)), F32)
         B_qk += _dot_aq(_tf32(b_q * up, F32), tl.trans(_tf32(b_kdn, F32)), F32)

@@ -372,7 +372,7 @@ def test_errors():
 
     q, k, v, g, beta, h0 = make_inputs(1, 4, 1, 16, 16)
     with pytest.raises(ValueError, match="too strong"):
-        kda_triton(q, k, v, g, beta, g_min=-12.0)  # |g_min| * ceil(15 / 2) = 96 > 88 even at C = 16
+        kda_triton(q, k, v, g, beta, g_min=-12.0)  # |g_min| * ceil(15 / 2) = 96 > 87 even at C = 16
     with pytest.raises(ValueError, match="chunk_size"):
         kda_triton(q, k, v, g, beta, chunk_size=128)
     big = torch.zeros(1, 4, 1, 300)

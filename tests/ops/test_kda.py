@@ -133,9 +133,13 @@ def test_near_collinear_keys(seed):
 def test_unsafe_gate_bound_raises():
     assert largest_safe_chunk(-5.0) == 32
     assert largest_safe_chunk(-2.0) == 64
+    # the limit |g_min| * ceil((C - 1) / 2) <= 87 at its edges: 87 / 32, 87 / 16, 87 / 8
+    assert [largest_safe_chunk(g) for g in (-2.71875, -2.72, -5.4375, -5.44, -10.875)] == [64, 32, 32, 16, 16]
     check_gate_bound(-5.0, 32)
-    with pytest.raises(ValueError, match="overflows"):
+    with pytest.raises(ValueError, match="past the limit exp"):
         check_gate_bound(-5.0, 64)
+    with pytest.raises(ValueError, match="too strong"):
+        largest_safe_chunk(-10.9)
     with pytest.raises(ValueError, match="negative"):
         check_gate_bound(0.5, 16)
     with pytest.raises(ValueError, match="too strong for every supported chunk size"):
@@ -144,7 +148,7 @@ def test_unsafe_gate_bound_raises():
     with pytest.raises(ValueError, match="too strong"):
         kda(*xs[:5], g_min=-20.0)
     kda(*xs[:5], g_min=-20.0, chunk_size=4, backend="torch")  # the advice it gives: an explicit small chunk
-    with pytest.raises(ValueError, match="overflows"):
+    with pytest.raises(ValueError, match="past the limit exp"):
         kda(*xs[:5], g_min=-5.0, chunk_size=64)
 
 

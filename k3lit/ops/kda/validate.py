@@ -6,8 +6,11 @@ import math
 
 import torch
 
-#: exp(x) is finite in float32 and bfloat16 for x below about 88.72; we keep a margin.
-EXP_LIMIT = 88.0
+#: The largest rebased exponent |G_i - G_r| allowed (``max_exponent``). exp(x) is finite in float32 and bfloat16
+#: for x below about 88.72, and exp(-x) a normal float32 (>= 2^-126) for x below about 87.34: at 87 no rebased
+#: factor overflows or is subnormal, so the Triton kernels may take these exponentials with subnormals flushed
+#: (``ex2.approx.ftz``, one instruction instead of four) and still give the bits of the unflushed form.
+EXP_LIMIT = 87.0
 
 
 def check_inputs(
@@ -89,8 +92,9 @@ def max_exponent(g_min: float, chunk_size: int) -> float:
 def check_gate_bound(g_min: float, chunk_size: int) -> None:
     """Raise ``ValueError`` when ``exp(±G)`` could overflow float32/bfloat16 for this bound and chunk.
 
-    The dense intra-chunk path forms ``Q ⊙ exp(G - G_r)`` and ``K ⊙ exp(G_r - G)``; both stay finite iff
-    ``|g_min| * ceil((C - 1) / 2) <= 88`` (exp overflows float32 and bfloat16 just above 88.72).
+    The dense intra-chunk path forms ``Q ⊙ exp(G - G_r)`` and ``K ⊙ exp(G_r - G)``; it requires
+    ``|g_min| * ceil((C - 1) / 2) <= EXP_LIMIT = 87``: exp overflows float32 and bfloat16 just above 88.72, and
+    below 87.34 every factor exp(-x) is also a normal float32 (no subnormals, see ``EXP_LIMIT``).
     """
     if not g_min < 0:
         raise ValueError(f"g_min must be negative (the lower bound of the log-decay), got {g_min}")
@@ -98,7 +102,8 @@ def check_gate_bound(g_min: float, chunk_size: int) -> None:
         safe = EXP_LIMIT / math.ceil((chunk_size - 1) / 2)
         raise ValueError(
             f"log-decay bound g_min={g_min} with chunk_size={chunk_size} lets exp(±G) reach "
-            f"exp({max_exponent(g_min, chunk_size):.0f}), which overflows float32/bfloat16 (limit exp(88)). "
+            f"exp({max_exponent(g_min, chunk_size):g}), past the limit exp({EXP_LIMIT:g}) (float32 and bfloat16 "
+            f"overflow at exp(88.7); exp(-87.3) is the smallest normal float32). "
             f"Use g_min >= {-safe:.3f} or a smaller chunk_size."
         )
 
@@ -108,7 +113,8 @@ def largest_safe_chunk(g_min: float, cap: int = 64) -> int:
     safe for ``g_min``.
 
     Raises:
-        ValueError: g_min is not negative, or so strong that even C = 16 could overflow (g_min < -88/8 = -11).
+        ValueError: g_min is not negative, or so strong that even C = 16 passes the limit (g_min < -87/8 =
+            -10.875).
     """
     if not g_min < 0:
         raise ValueError(f"g_min must be negative (the lower bound of the log-decay), got {g_min}")
@@ -118,7 +124,7 @@ def largest_safe_chunk(g_min: float, cap: int = 64) -> int:
     if max_exponent(g_min, c) > EXP_LIMIT:
         raise ValueError(
             f"g_min={g_min} is too strong for every supported chunk size: even chunk_size=16 lets exp(±G) reach "
-            f"exp({max_exponent(g_min, 16):.0f}) (limit exp(88)). Use g_min >= -11 (the PyTorch backend also "
-            "takes an explicit chunk_size below 16)."
+            f"exp({max_exponent(g_min, 16):g}) (limit exp({EXP_LIMIT:g})). Use g_min >= {-EXP_LIMIT / 8:g} (the "
+            "PyTorch backend also takes an explicit chunk_size below 16)."
         )
     return c
