@@ -2,6 +2,7 @@
 gradients in pairs of chunks, removed after it) against ``_prep_fwd``, with parts of it switched off.
 
     python benchmarks/kda_pair_probe.py        # on a GPU, from a git checkout (reads ec323e6's chunk.py)
+    python benchmarks/kda_pair_probe.py --sass # CPU: static sm_90a instruction counts of the two kernels
 
 Each variant is ec323e6's ``kernels/kda/chunk.py`` with one text substitution, imported as its own module and timed
 kernel by kernel (CUPTI, ``kda_breakdown.kernel_ms``) on the forward without gradients, bf16, K = V = D. Variants:
@@ -12,7 +13,9 @@ chunks instead of the unrolled one; the merge's X products in bf16 instead of TF
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -52,18 +55,50 @@ def variants(src: str) -> dict[str, tuple[str, str]]:
             "pair, merge without X": (src.replace(X_PRODUCT, ""), "auto")}
 
 
+def load(text: str, path: Path):
+    """``text`` (a chunk.py) imported as a module from ``path`` (Triton reads a kernel's source from its file)."""
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def static_instructions(mod, name: str, mode: str) -> int:
+    """Static sm_90a instruction count of kernel ``name`` of ``mod`` as the forward without gradients launches it at
+    B1 T16384 H16 D128 bf16 (compiled offline; the launches are recorded on ``meta`` tensors, not run)."""
+    from benchmarks.kda_sass import disassemble
+    from k3lit.kernels import aot
+
+    mod.TUNING["fwd_pairs"] = mode
+    kernels = [n for n in ("_prep_fwd", "_prep_pair_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd") if hasattr(mod, n)]
+    x = torch.empty(1, 16384, 16, 128, device="meta", dtype=torch.bfloat16)
+    with aot.record_launches(mod, *kernels) as launches:
+        mod.chunk_fwd(x, x, x, torch.empty(x.shape, device="meta"), x[..., 0], 128**-0.5, None, False, None, 32,
+                      save=False)
+    launch = next(x for x in launches if x.name == name)
+    return len(disassemble(aot.compile_kernel(launch).asm["cubin"]))
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sass", action="store_true", help="print static instruction counts (CPU) instead of timing")
+    args = ap.parse_args()
     src = subprocess.run(["git", "show", f"{COMMIT}:kernels/kda/chunk.py"], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
     tmp = Path(tempfile.mkdtemp())
+    if args.sass:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            sys.exit("unset TRITON_INTERPRET: the kernels must be compilable JIT functions")
+        for i, (name, (text, mode)) in enumerate(variants(src).items()):
+            kernel = "_prep_fwd" if mode == "off" else "_prep_pair_fwd"
+            count = static_instructions(load(text, tmp / f"kda_pair_variant_{i}.py"), kernel, mode)
+            print(f"{name:36s} {kernel} {count} static instructions", flush=True)
+        return
     for B, T, H, D in ((1, 16384, 16, 128), (8, 2048, 32, 256)):
         xs = inputs(B, T, H, D, D)
         for i, (name, (text, mode)) in enumerate(variants(src).items()):
-            path = tmp / f"kda_pair_variant_{i}.py"  # Triton reads a kernel's source from its file
-            path.write_text(text)
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
+            mod = load(text, tmp / f"kda_pair_variant_{i}.py")
             mod.TUNING["fwd_pairs"] = mode
             with torch.no_grad():
                 ks = kernel_ms(lambda mod=mod, xs=xs, D=D: mod.chunk_fwd(*xs, D**-0.5, None, False, None, 32,

@@ -97,9 +97,9 @@ def _exp_rebased(x, F32: tl.constexpr):
     in a subnormal fix-up (a compare and two predicated multiplies around each ``MUFU.EX2``); for |x| <= 87 < 87.34
     every result is a normal float32, where ``ex2.approx.ftz.f32`` gives the same bits without the fix-up:
     ``_prep_fwd`` issues 16.3k warp instructions a chunk and head instead of 17.0k on triton 3.6 (16.8k for 17.7k
-    on 3.8; ``benchmarks/kda_sass.py``). ``_main_bwd`` keeps ``tl.exp``: there the same change raised its spills at
-    K = 256 from 196 to 236 B a thread (triton 3.6). With ``F32`` (float32 inputs, and always under the
-    interpreter, which runs no inline PTX) ``tl.exp``."""
+    on 3.8; ``benchmarks/kda_sass.py``). ``_main_bwd`` keeps ``tl.exp``: there the same change (not committed)
+    raised its spills at K = 256 from 196 to 236 B a thread (triton 3.6, ``benchmarks/kernel_resources.py``).
+    With ``F32`` (float32 inputs, and always under the interpreter, which runs no inline PTX) ``tl.exp``."""
     if F32:
         return tl.exp(x)
     else:
@@ -932,11 +932,10 @@ def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.
                   NC: int, device: torch.device) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
     """The chunk table and ``((row_lo, row_hi, it_lo, it_hi), ...)`` segments the ``"fwd"`` or ``"bwd"`` launches
     run over: :func:`_segment_table` for :func:`_segments` > 1, else ``cidx`` whole, its chunks unbounded."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     P = _segments(which, B, H, T, C, cu_seqlens)
     if P == 1:
         return cidx, ((0, NC, 0, 2**31 - 1),)
-    return _segment_table(B, triton.cdiv(T, C), P, device, capturing)
+    return _segment_table(B, triton.cdiv(T, C), P, device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -959,13 +958,12 @@ def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stre
     return torch.cat(parts).contiguous(), tuple(segs)
 
 
-def _segment_table(B: int, n_per: int, P: int, device: torch.device, capturing: bool = False
+def _segment_table(B: int, n_per: int, P: int, device: torch.device
                    ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
-    """:func:`_segment_table_cached` for the current stream; built afresh while a CUDA graph is being captured
-    (``capturing``, as :func:`_segment_plan` found it)."""
+    """:func:`_segment_table_cached` for the current stream (built afresh during CUDA graph capture)."""
     if device.type != "cuda":
         return _segment_table_cached(B, n_per, P, device, 0)
-    if capturing:
+    if torch.cuda.is_current_stream_capturing():
         return _segment_table_cached.__wrapped__(B, n_per, P, device, 0)
     return _segment_table_cached(B, n_per, P, device, torch.cuda.current_stream(device).cuda_stream)
 
