@@ -56,7 +56,6 @@ SWEEP = {
     "split, intra 4 warps": dict(fwd_prep="split", intra_warps=4),
     "split, intra bk32 4 warps": dict(fwd_prep="split", intra_bk=32, intra_warps=4),
     "split, wy bk32 bv32 2 warps": dict(fwd_prep="split", wy_bk=32, wy_bv=32, wy_warps=2),
-    "split, wy recomputes g": dict(fwd_prep="split", wy_g="recomputed"),
     "prep 2 warps": dict(prep_warps=2),
     "prep bk64": dict(wy_bk=64, wy_bv=64),
     "prep bk32 bv64": dict(wy_bv=64),
@@ -79,7 +78,7 @@ BIT_IDENTICAL = {"fwd_segments", "bwd_segments"}
 #: and steps (offline: 16-wide steps spill-free at 232-242 registers, still 8 blocks per SM), fewer bytes, the scan
 #: writing the output, pipeline segments forced on and off. Timed as a group in sessions 9 and 10 (RESULTS.md, "KDA
 #: launch settings").
-FORWARD_VARIANTS = ["split intra + wy", "split, wy recomputes g", "prep 2 warps", "prep bk64", "prep bk32 bv64",
+FORWARD_VARIANTS = ["split intra + wy", "prep 2 warps", "prep bk64", "prep bk32 bv64",
                     "prep bk16", "prep bk16 bv32", "u work dtype",
                     "fwd plain fused out", "u work, fwd plain fused out", "no segments", "segments 4", "segments 8",
                     "bwd segments 4"]

@@ -1,8 +1,10 @@
 """Bytes the KDA forward moves per token and head without a backward, per kernel and ``chunk.TUNING`` alternative,
 and the forward's time they predict at B8 T2048 H16 D128 (CPU; no GPU needed).
 
-The model counts each kernel's loads and stores as written in ``kernels/kda/chunk.py`` (every input read once per
-program, repeated reads of the same tile assumed served by the cache), bf16 q, k, v, beta and float32 g, K = V = D.
+The model counts each kernel's loads and stores (every input read once per program, repeated reads of the same tile
+assumed served by the cache), bf16 q, k, v, beta and float32 g, K = V = D: ``"split"`` as session 7's kernels wrote
+them (``_wy_fwd`` read G and k; since session 13 it reads the K⊙exp(G) that ``_intra_fwd`` stores, 2K bytes
+instead of 6K), ``"fused"`` as ``kernels/kda/chunk.py`` writes ``_prep_fwd``.
 The prediction times each kernel at the ms per byte that Nsight Compute measured for its counterpart in session 7
 (benchmarks/RESULTS.md, "KDA kernels: against the targets": ``_intra_fwd`` 0.325 ms for 0.64 GB, ``_wy_fwd`` 0.211
 for 0.49, ``_scan_fwd_t`` 0.176 for 0.44, at B8 T2048 H16), so it assumes an alternative keeps that achieved rate.
@@ -21,8 +23,7 @@ TOKEN_HEADS = 8 * 2048 * 16
 RATE_OF = {"_intra_fwd": "_intra_fwd", "_prep_fwd": "_intra_fwd", "_wy_fwd": "_wy_fwd", "_scan_fwd_t": "_scan_fwd_t"}
 
 
-def kernel_bytes(D: int, C: int, u_bf16: bool = False, wy_recomputes_g: bool = False, prep: str = "split"
-                 ) -> dict[str, float]:
+def kernel_bytes(D: int, C: int, u_bf16: bool = False, prep: str = "split") -> dict[str, float]:
     """Bytes per token and head of each forward kernel without a backward (``prep``: "split" or "fused")."""
     K = V = D
     u = 2 * V if u_bf16 else 4 * V
@@ -30,8 +31,7 @@ def kernel_bytes(D: int, C: int, u_bf16: bool = False, wy_recomputes_g: bool = F
     per_chunk_out = 2 * K + 2 * K  # Kd, Qg
     out = {}
     if prep == "split":
-        gc = 4 * K / C if wy_recomputes_g else 4 * K  # G stored at the last row only, or every row
-        out["_intra_fwd"] = inputs + gc + per_chunk_out + 4 * C + 4 * C  # + Aq, L
+        out["_intra_fwd"] = inputs + 4 * K + per_chunk_out + 4 * C + 4 * C  # G, Kd, Qg, Aq, L
         out["_wy_fwd"] = 4 * C + 2 + 4 * K + 2 * K + 2 * V + 2 * K + u  # L, beta, Gc or g, k, v; W, U
     else:
         out["_prep_fwd"] = inputs + 2 * V + 4 * K / C + per_chunk_out + 4 * C + 2 * K + u
@@ -47,7 +47,6 @@ def predicted_ms(kb: dict[str, float]) -> float:
 VARIANTS = {
     '`fwd_prep="split"` (session 7\'s defaults)': {},
     '`fwd_prep="split"`, `u_dtype="work"`': dict(u_bf16=True),
-    '`fwd_prep="split"`, `wy_g="recomputed"`': dict(wy_recomputes_g=True),
     '`fwd_prep="fused"` (the defaults since session 9)': dict(prep="fused"),
     '`fwd_prep="fused"`, `u_dtype="work"`': dict(prep="fused", u_bf16=True),
 }

@@ -134,9 +134,9 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)": _kda(1, 65536, 16, 128, 128, False, False,
                                                                           scans_only=True),
         "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
-        "KDA K=V=128, no backward, wy_g recomputed, u_dtype work": _kda(
+        "KDA K=V=128, no backward, split, u_dtype work": _kda(
             4, 4096, 16, 128, 128, False, False, only=("_intra_fwd", "_wy_fwd"),
-            tuning=dict(fwd_prep="split", wy_g="recomputed", u_dtype="work"), save=False),
+            tuning=dict(fwd_prep="split", u_dtype="work"), save=False),
         "KDA K=V=256, plain scan writing the output": _kda(1, 8192, 32, 256, 256, False, False, only=("_scan_fwd",),
                                                            tuning=dict(fwd_plain_out="fused")),
         "KDA K=V=128, intra and wy in two kernels": _kda(4, 4096, 16, 128, 128, False, False,

@@ -68,12 +68,15 @@ def _tf32(x, F32: tl.constexpr):
     """float32 ``x`` rounded to the nearest TF32 value (10-bit mantissa; ``cvt.rna``), unchanged with ``F32``.
     The tensor cores read a float32 operand by dropping its 13 low mantissa bits: a truncation, always towards
     zero, whose bias adds up in long sums (on the H200 it pushed the gate-bias gradient, a sum over every token,
-    past its tolerance). Operands rounded first are read exactly."""
+    past its tolerance). Operands rounded first are read exactly. Formed on the bits: adding half a TF32 unit
+    (2^12) to the magnitude and clearing the 13 low bits rounds to nearest, ties away from zero, as ``cvt.rna``
+    does for every finite float32 and infinity (a carry into the exponent is the round-up to the next binade),
+    in two integer instructions where ptxas expands ``cvt.rna.tf32.f32`` into three with a NaN check; a NaN can
+    come out as another NaN, an infinity or -0 (the operands here are finite for finite inputs)."""
     if F32:
         return x
     else:
-        return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -206,21 +209,20 @@ def _global_chunk(coff, cidx, i_c, i_n, SEGMENT: tl.constexpr):
 
 @triton.jit
 def _intra_chunk(
-    k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t, tok,
+    k, q, g, beta, Gc, Aq, Kd, Qg, W, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t, tok,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
     L2: tl.constexpr, GC_ALL: tl.constexpr,
 ):
     """The per-chunk work of :func:`_intra_fwd` for the chunk of ``n_valid`` tokens from ``t0`` (rows ``rows``,
-    mask ``m_t``, token indices ``tok``): stores G, Aq, Kd, Qg (and the reciprocal norms with ``L2``); returns
-    ``(L [C, C], r_k [C])``, r_k the keys' reciprocal norms (ones without ``L2``)."""
+    mask ``m_t``, token indices ``tok``): stores G, Aq, Kd, Qg (and the reciprocal norms with ``L2``), and
+    K⊙exp(G) in ``W``'s place, where :func:`_wy_chunk` reads it back and overwrites it with W; returns
+    L ``[C, C]``."""
     R: tl.constexpr = (C - 1) // 2
     if L2:
         r_q = _rnorm(q, tok, i_h, m_t, H, K, C, BK)
         r_k = _rnorm(k, tok, i_h, m_t, H, K, C, BK)
         tl.store(rnq + tok * H + i_h, r_q, mask=m_t)
         tl.store(rnk + tok * H + i_h, r_k, mask=m_t)
-    else:
-        r_k = tl.full([C], 1.0, dtype=tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
     B_qk = tl.zeros([C, C], dtype=tl.float32)
     for kb in range(0, K, BK):
@@ -228,7 +230,8 @@ def _intra_chunk(
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
         b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-        tl.store(Gc + off, b_G, mask=msk if GC_ALL else msk & (rows == n_valid - 1)[:, None])
+        if GC_ALL:
+            tl.store(Gc + off, b_G, mask=msk)
         b_Gr = _row(b_G, rows, R)
         up = _exp_rebased(b_G - b_Gr[None, :], F32)  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 87
         dn = _exp_rebased(b_Gr[None, :] - b_G, F32)
@@ -238,31 +241,38 @@ def _intra_chunk(
             b_k *= r_k[:, None]
             b_q *= r_q[:, None]
         g_last = _row(b_G, rows, n_valid - 1)
+        if not GC_ALL:
+            # the scans' G_last alone, as a vector: the tile store would get float32's own layout, for which
+            # Triton forms the cumsum a second time (twice the shuffles) rather than convert the tile
+            tl.store(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + cols, g_last, mask=cols < K)
         # exp(G_last - G) = dn exp(G_last - G_R) and exp(G) = up exp(G_R): two exponentials of the tile, not four.
         # |G_R| and |G_last - G_R| <= |g_min| * ceil((C - 1) / 2) <= 87, so each factor is at least e^-87, a
         # normal float32
+        e_r = _exp_rebased(b_Gr, F32)
         tl.store(Kd + off, (b_k * dn * _exp_rebased(g_last - b_Gr, F32)[None, :]).to(Kd.dtype.element_ty), mask=msk)
-        tl.store(Qg + off, (b_q * up * (_exp_rebased(b_Gr, F32) * scale)[None, :]).to(Qg.dtype.element_ty), mask=msk)
+        tl.store(Qg + off, (b_q * up * (e_r * scale)[None, :]).to(Qg.dtype.element_ty), mask=msk)
+        b_kup = b_k * up
+        tl.store(W + off, (b_kup * e_r[None, :]).to(W.dtype.element_ty), mask=msk)  # K⊙exp(G), W's operand
         b_kdn = b_k * dn
-        A += _dot(_op(b_k * up, F32), tl.trans(_op(b_kdn, F32)), F32)
+        A += _dot(_op(b_kup, F32), tl.trans(_op(b_kdn, F32)), F32)
         B_qk += _dot_aq(_tf32(b_q * up, F32), tl.trans(_tf32(b_kdn, F32)), F32)
     b_beta = tl.load(beta + tok * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     # Entries above the diagonal may be inf/nan (they pair a late row with an early column); where selects.
     L = tl.where(rows[:, None] > rows[None, :], A, 0.0) * b_beta[:, None]
     B_qk = tl.where(rows[:, None] >= rows[None, :], B_qk, 0.0) * scale
     tl.store(Aq + _cc_offsets(tok, i_h, rows, H, C), _tf32(B_qk, F32), mask=m_t[:, None])
-    return L, r_k
+    return L
 
 
 @triton.jit
 def _wy_chunk(
-    L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok,
+    L, v, beta, Mi, W, U, i_h, rows, m_t, tok,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_G: tl.constexpr,
-    INV_BLOCK: tl.constexpr,
+    F32: tl.constexpr, SAVE: tl.constexpr, INV_BLOCK: tl.constexpr,
 ):
-    """The per-chunk work of :func:`_wy_fwd` from the chunk's L (``[C, C]``) and keys' reciprocal norms ``r_k``:
-    M (stored to ``Mi`` when ``SAVE``), W and U."""
+    """The per-chunk work of :func:`_wy_fwd` from the chunk's L (``[C, C]``): M (stored to ``Mi`` when ``SAVE``),
+    W = M Diag(beta) (K⊙exp(G)) from the K⊙exp(G) that :func:`_intra_chunk` left in ``W`` (overwritten block by
+    block: each block's product reads the whole block before any of it is stored), and U = M Diag(beta) V."""
     X = _inverse(L, rows, C, INV_BLOCK)
     if SAVE:
         tl.debug_barrier()  # every thread has read L (which _wy_fwd loads from Mi) before M overwrites it
@@ -273,14 +283,7 @@ def _wy_chunk(
         cols = kb + tl.arange(0, BK)
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
-        if RECOMPUTE_G:
-            b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-        else:
-            b_G = tl.load(Gc + off, mask=msk, other=0.0)
-        b_k = tl.load(k + off, mask=msk, other=0.0).to(tl.float32)
-        if L2:
-            b_k *= r_k[:, None]
-        b_w = _dot(Xb, _op(b_k * tl.exp(b_G), F32), F32)
+        b_w = _dot(Xb, _op(tl.load(W + off, mask=msk, other=0.0), F32), F32)
         tl.store(W + off, b_w.to(W.dtype.element_ty), mask=msk)
     for vb in range(0, V, BV):
         cols = vb + tl.arange(0, BV)
@@ -293,7 +296,7 @@ def _wy_chunk(
 
 @triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _intra_fwd(
-    k, q, g, beta, Gc, Aq, Mi, Kd, Qg, cu, cidx, scale, bias, g_min, rnq, rnk,
+    k, q, g, beta, Gc, Aq, Mi, Kd, Qg, W, cu, cidx, scale, bias, g_min, rnq, rnk,
     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, GATE: tl.constexpr,
     L2: tl.constexpr, GC_ALL: tl.constexpr,
 ):
@@ -301,24 +304,23 @@ def _intra_fwd(
     operands Kd = K⊙exp(G_last - G), Qg = scale Q⊙exp(G). With ``GATE``, g = g_min * sigmoid(e + bias) from
     the pre-activation e; with ``L2``, q and k are L2-normalised per token and head on load, and the
     reciprocal norms are stored in ``rnq``, ``rnk`` (``[T_total, H]`` float32 each) for the backward. L goes to
-    ``Mi``, where :func:`_wy_fwd` replaces it by M = (I + L)^-1 and forms W and U. G goes to ``Gc``: every row
-    with ``GC_ALL``, else only the chunk's last (the scans' G_last; :func:`_wy_fwd` then forms G itself)."""
+    ``Mi`` and K⊙exp(G) to ``W``, where :func:`_wy_fwd` replaces them by M = (I + L)^-1 and W. G goes to ``Gc``:
+    every row with ``GC_ALL`` (for the backward), else only the chunk's last (the scans' G_last)."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
-    L, _ = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
-                        tok, H, K, C, BK, F32, GATE, L2, GC_ALL)
+    L = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, W, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
+                     tok, H, K, C, BK, F32, GATE, L2, GC_ALL)
     tl.store(Mi + _cc_offsets(tok, i_h, rows, H, C), L, mask=m_t[:, None])  # _wy_fwd replaces L by M
 
 
 @triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
 def _wy_fwd(
-    k, v, beta, Gc, Mi, W, U, cu, cidx, rnk, g, bias, g_min,
+    v, beta, Mi, W, U, cu, cidx,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    F32: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_G: tl.constexpr,
-    INV_BLOCK: tl.constexpr,
+    F32: tl.constexpr, SAVE: tl.constexpr, INV_BLOCK: tl.constexpr,
 ):
-    """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi`` and the G it stored in
-    ``Gc`` (or, with ``RECOMPUTE_G``, G formed again from ``g`` as :func:`_intra_fwd` forms it): M = (I + L)^-1
-    (stored over L when ``SAVE``, for the backward), W = M Diag(beta) (K⊙exp(G)) and U = M Diag(beta) V.
+    """Per (chunk, head), from the L = Diag(beta) A that :func:`_intra_fwd` left in ``Mi`` and the K⊙exp(G) it
+    left in ``W``: M = (I + L)^-1 (stored over L when ``SAVE``, for the backward), W = M Diag(beta) (K⊙exp(G))
+    (over K⊙exp(G)) and U = M Diag(beta) V.
 
     M by :func:`_inverse`: forward substitution, X_i = e_i - sum_{j<i} L_ij X_j (exact: L is strictly lower), on
     ``INV_BLOCK``-wide diagonal blocks (``INV_BLOCK - 1`` dependent steps, each two reductions over the ``[C, C]``
@@ -327,12 +329,7 @@ def _wy_fwd(
     :func:`_intra_fwd` took 0.6x the time of one kernel doing both with four warps (benchmarks/kda_breakdown.py)."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L = tl.load(Mi + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
-    if L2:
-        r_k = tl.load(rnk + tok * H + i_h, mask=m_t, other=0.0)
-    else:
-        r_k = tl.full([C], 1.0, dtype=tl.float32)
-    _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
-              GATE, RECOMPUTE_G, INV_BLOCK)
+    _wy_chunk(L, v, beta, Mi, W, U, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, SAVE, INV_BLOCK)
 
 
 @triton.jit(do_not_specialize_on_alignment=["cidx"])  # a segment's rows start anywhere
@@ -342,14 +339,13 @@ def _prep_fwd(
     F32: tl.constexpr, GATE: tl.constexpr, L2: tl.constexpr, SAVE: tl.constexpr, INV_BLOCK: tl.constexpr,
 ):
     """:func:`_intra_fwd` and :func:`_wy_fwd` in one program per (chunk, head) (``TUNING["fwd_prep"] = "fused"``):
-    L stays in registers, G is formed twice from g instead of stored and read back (stored only for the backward,
-    ``SAVE``; else only each chunk's last row, for the scans), and the second pass's k and g reads come from the
-    cache rather than DRAM: ~1.5 KB less traffic per token and head at K = V = 128."""
+    L stays in registers, G is stored only for the backward (``SAVE``; else only each chunk's last row, for the
+    scans), and the W pass reads the K⊙exp(G) that the first pass stored in W's place back from the cache."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
-    L, r_k = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
-                          tok, H, K, C, BK, F32, GATE, L2, SAVE)
-    _wy_chunk(L, r_k, k, v, beta, Gc, Mi, W, U, g, bias, g_min, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, L2, SAVE,
-              GATE, True, INV_BLOCK)
+    L = _intra_chunk(k, q, g, beta, Gc, Aq, Kd, Qg, W, scale, bias, g_min, rnq, rnk, i_h, t0, n_valid, rows, m_t,
+                     tok, H, K, C, BK, F32, GATE, L2, SAVE)
+    tl.debug_barrier()  # K⊙exp(G) stored by every thread is visible to every thread before the W pass reads it
+    _wy_chunk(L, v, beta, Mi, W, U, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, SAVE, INV_BLOCK)
 
 
 @triton.jit
@@ -895,9 +891,6 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``u_dtype``: the dtype U = M Diag(beta) V is stored in between the per-chunk kernels and the forward scan:
 #: ``"float32"``, or ``"work"`` (bf16 for bf16 and fp16 inputs), half U's bytes: 1-4% faster forward (0.63 -> 0.61 at
 #: B8 T2048) for a relative difference of 1.2e-3 from float32 U on o and the gradients, so not the default.
-#: ``wy_g`` (split only): ``"stored"``: :func:`_wy_fwd` reads the G that :func:`_intra_fwd` stored; ``"recomputed"``:
-#: it forms G again from g, and without a backward to follow :func:`_intra_fwd` writes only each chunk's last row of
-#: G (the scans' G_last), as :func:`_prep_fwd` always does: no faster in the sweep (0.72 -> 0.73 at B8 T2048).
 #: ``fwd_segments`` / ``bwd_segments``: pipeline segments over a dense batch (1: none; ``"auto"``: by
 #: :func:`_segments`). Segment s covers the same range of chunks of every sequence; on CUDA its state scan (and
 #: output kernel) runs on side streams as soon as its per-chunk kernels are done, concurrently with the next
@@ -908,7 +901,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="separate",
-                    u_dtype="float32", wy_g="stored", fwd_prep="fused", prep_warps=1, inverse_block=16)
+                    u_dtype="float32", fwd_prep="fused", prep_warps=1, inverse_block=16)
 
 
 def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None) -> int:
@@ -1072,9 +1065,9 @@ def chunk_fwd(
     (``gate_bias`` ``[H * K]`` float32 or None). ``qk_l2norm``: q and k are L2-normalised in the kernel and
     ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty). ``save=False`` (no backward
     will follow): M, and where the scan writes the output (transposed, or ``fwd_plain_out="fused"``) the states h
-    and Delta, are not written, and, when G is formed twice (``wy_g="recomputed"``, ``fwd_prep="fused"``), G only at
-    each chunk's last row, so only ``o`` and ``ht`` are valid. Launches run on ``q``'s device, on its current
-    stream and, in pipeline segments (:func:`_segments`), on two side streams joined back before returning."""
+    and Delta, are not written, and G only at each chunk's last row, so only ``o`` and ``ht`` are valid. Launches
+    run on ``q``'s device, on its current stream and, in pipeline segments (:func:`_segments`), on two side streams
+    joined back before returning."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1104,7 +1097,6 @@ def chunk_fwd(
     transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw)
     fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
-    recompute_g = TUNING["wy_g"] == "recomputed"
     gmin = g_min if gate else 0.0
     BKi = min(TUNING["intra_bk"] or 64, _pow2(K))
     step = 32 if TUNING["fwd_prep"] == "fused" else 64  # the WY step when TUNING leaves it None
@@ -1120,11 +1112,10 @@ def chunk_fwd(
                 _prep_fwd[(r1 - r0, H)](k, q, v, g, beta, Gc, Aq, Mi, Kd, Qg, W, U, *args, V=V, BV=BVw, BK=BKw,
                                         SAVE=save, INV_BLOCK=inv_block, num_warps=TUNING["prep_warps"], **fus)
             else:
-                _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, *args, BK=BKi,
-                                         GC_ALL=save or not recompute_g, num_warps=TUNING["intra_warps"], **fus)
-                _wy_fwd[(r1 - r0, H)](k, v, beta, Gc, Mi, W, U, cu, rows, rnk, g, bias, gmin, V=V, BK=BKw, BV=BVw,
-                                      SAVE=save, RECOMPUTE_G=recompute_g, INV_BLOCK=inv_block,
-                                      num_warps=TUNING["wy_warps"], **fus)
+                _intra_fwd[(r1 - r0, H)](k, q, g, beta, Gc, Aq, Mi, Kd, Qg, W, *args, BK=BKi, GC_ALL=save,
+                                         num_warps=TUNING["intra_warps"], **fus)
+                _wy_fwd[(r1 - r0, H)](v, beta, Mi, W, U, cu, rows, H=H, K=K, V=V, C=C, BK=BKw, BV=BVw, F32=F32,
+                                      SAVE=save, INV_BLOCK=inv_block, num_warps=TUNING["wy_warps"])
             # the state enters segment i > 0 from ht, where segment i - 1 left it (float32)
             h0 = initial_state if i == 0 else ht
             scan_args = (Kd, Gc, W, U, D, h, h0, ht, cu, coff, it_lo, it_hi)

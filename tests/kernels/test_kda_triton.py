@@ -12,8 +12,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from k3lit.kernels.kda import chunk
 from k3lit.ops.kda import kda, kda_reference
 from k3lit.testing import rel_rms
 
@@ -200,6 +203,55 @@ def test_blocked_inverse(seed, monkeypatch, block, collinear):
         assert_errors(run_both(inputs, cu_seqlens=cu), TOL_F32)
 
 
+def _tf32_cases(device):
+    """float32 values for the TF32 rounding tests: random magnitudes over the whole exponent range and both signs,
+    exact ties (the 13 low bits 0x1000), one below and above them, carries into the exponent (0x1FFF low bits),
+    subnormals, the largest finite float32, zeros and infinities."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 2**23, (1 << 16,), generator=gen, dtype=torch.int64)  # finite magnitudes
+    low = torch.tensor([0x1000, 0x0FFF, 0x1001, 0x1FFF, 0x0000, 0x3000])
+    edges = torch.tensor([0x7F7FFFFF, 0x7F7FF000, 0x00000001, 0x00001000, 0x007FFFFF, 0x00000000, 0x7F800000])
+    bits = torch.cat([bits, (bits[:1024, None] & ~0x1FFF | low).flatten(), edges])
+    bits = torch.cat([bits, bits | 0x80000000]).to(torch.int64)
+    return (bits - (bits >= 2**31) * 2**32).to(torch.int32).view(torch.float32).to(device)
+
+
+@triton.jit
+def _tf32_kernel(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, chunk._tf32(tl.load(x + i, mask=i < n), False), mask=i < n)
+
+
+@triton.jit
+def _cvt_rna_kernel(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x + i, mask=i < n)
+    tl.store(y + i, tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [v], dtype=tl.float32,
+                                              is_pure=True, pack=1), mask=i < n)
+
+
+def _elementwise(kernel, x):
+    y = torch.empty_like(x)
+    kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return y
+
+
+def test_tf32_rounding_is_round_to_nearest_ties_away():
+    """``chunk._tf32``'s bit form against the definition of ``cvt.rna.tf32.f32``, in float64: the nearest multiple
+    of the TF32 unit (2^(e - 10) for a normal float32 of exponent e, 2^-136 below the normals), ties away from
+    zero, overflowing to infinity past the largest TF32 value; infinities and zeros unchanged."""
+    x = _tf32_cases(DEV)
+    got = _elementwise(_tf32_kernel, x).double().cpu()
+    xd = x.double().cpu()
+    mag = xd.abs()
+    finite = mag.isfinite() & (mag > 0)
+    e = torch.floor(torch.log2(torch.where(finite, mag, 1.0))).clamp(min=-126)
+    unit = torch.exp2(e - 10)
+    want = torch.where(finite, torch.sign(xd) * torch.floor(mag / unit + 0.5) * unit, xd)
+    want = torch.where(want.abs() > torch.finfo(torch.float32).max, torch.sign(xd) * float("inf"), want)
+    assert torch.equal(got, want), (xd[got != want][:8], got[got != want][:8], want[got != want][:8])
+
+
 def test_pipeline_segments_rule(monkeypatch):
     """``TUNING["bwd_segments"] = "auto"``: 4 segments only for a dense batch with B·H <= 16 and at least 512
     chunks a sequence; ``"fwd_segments" = "auto"``: never; one for varlen batches and single chunks; a number given
@@ -233,15 +285,14 @@ def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
 
 
-@pytest.mark.parametrize("variant", [dict(fwd_prep="split", wy_g="recomputed"),
-                                     dict(fwd_prep="fused", wy_bk=16, wy_bv=16)])
+@pytest.mark.parametrize("variant", [dict(fwd_prep="split"), dict(fwd_prep="fused", wy_bk=16, wy_bv=16)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_forward_forming_g_twice(seed, monkeypatch, variant, fused):
-    """``TUNING["wy_g"] = "recomputed"`` (with ``fwd_prep = "split"``): ``_wy_fwd`` forms G itself from g (or the
-    fused gate's e and bias) and, with no backward to follow, ``_intra_fwd`` stores only each chunk's last row of G;
-    ``fwd_prep = "fused"`` (the default): both in one kernel (``_prep_fwd``, here in 16-wide steps at K = 24,
-    V = 16: the blocked loops and their masks). Against the reference with and without a backward (varlen, a
-    partial last chunk), and only those rows written without one."""
+def test_forward_w_from_stored_kg(seed, monkeypatch, variant, fused):
+    """The W pass reads the K⊙exp(G) that the intra-chunk pass stored in W's place (``fwd_prep = "split"``: from
+    ``_intra_fwd`` to ``_wy_fwd``; ``"fused"``, the default: within ``_prep_fwd``, here in 16-wide steps at K = 24,
+    V = 16: the blocked loops and their masks), with the fused gate's e and bias and the fused L2 norm too; with no
+    backward to follow, only each chunk's last row of G is stored. Against the reference with and without a
+    backward (varlen, a partial last chunk), and only those rows written without one."""
     from k3lit.kernels.kda import chunk, kda_triton
 
     for key, value in variant.items():
@@ -585,6 +636,16 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_tf32_rounding_equals_cvt_rna():
+    """On the GPU, ``chunk._tf32``'s bit form gives the bits of ``cvt.rna.tf32.f32`` on every case, ties and carries
+    into the exponent included (the instruction it replaces in ``_intra_chunk``)."""
+    x = _tf32_cases("cuda")
+    got, want = _elementwise(_tf32_kernel, x), _elementwise(_cvt_rna_kernel, x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize(
     "B,T,H,K,V,dtype",
     [
@@ -716,7 +777,7 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [dict(fwd_scan="plain", fwd_plain_out="fused"), dict(u_dtype="work"),
-                                     dict(fwd_prep="split"), dict(fwd_prep="split", wy_g="recomputed"),
+                                     dict(fwd_prep="split"),
                                      dict(fwd_prep="fused", prep_warps=2), dict(inverse_block=32),
                                      dict(inverse_block=8)])
 @pytest.mark.parametrize("fused", [False, True])

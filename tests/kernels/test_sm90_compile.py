@@ -35,7 +35,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected = {(c, n) for c, scans in kda_scans.items() for n in (*scans, *kda_other)}
     expected |= {("KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)", n) for n in (*plain_fwd, "_scan_bwd")}
     expected |= {("KDA K=V=128, B1 H96 (transposed scans)", n) for n in (*transposed_fwd, "_scan_bwd_t")}
-    expected |= {("KDA K=V=128, no backward, wy_g recomputed, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
+    expected |= {("KDA K=V=128, no backward, split, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
     expected |= {("KDA K=V=128, intra and wy in two kernels", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {(f"KDA K=V=128, {s}", "_prep_fwd")
