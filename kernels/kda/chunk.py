@@ -1017,28 +1017,36 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device) -> tuple[bool, int, int, int]:
-    """``(transposed, BK, BV, num_warps)`` of the ``"fwd"`` or ``"bwd"`` scan over ``NH`` = sequences x heads.
+def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: bool
+               ) -> tuple[bool, int, int, int, int]:
+    """``(transposed, BK, BV, num_warps, num_stages)`` of the ``"fwd"`` or ``"bwd"`` scan over ``NH`` = sequences x
+    heads, with float32 matrix operands when ``F32``.
 
     The scans are latency-bound: one program per (sequence, head, value block) walks all chunks in order. Rule
     from H200 timings (benchmarks/RESULTS.md, "KDA launch settings"): the transposed state in 64-wide value
-    blocks (fewer, shorter steps) once there are enough programs for it, NH >= 64 with K <= 128 forward and
-    NH >= 96 backward; else the plain state in 32-wide blocks, 16-wide for the forward when 32-wide ones would
-    leave SMs idle."""
+    blocks (fewer, shorter steps) once there are enough programs for it, NH >= 64 forward and NH >= 96 backward;
+    else the plain state in 32-wide blocks, 16-wide for the forward when even 16-wide ones leave SMs idle (B1 H16:
+    128 programs on 132 SMs, forward 0.82 ms against 0.93 in 32-wide blocks at T16384; B2 H16: 256 programs,
+    0.74 against 0.70). Session 13: at K = V = 256 (B8 H32) the transposed forward took 2.74 ms against the plain
+    scan and output kernel's 3.29, which until then the rule kept for K > 128.
+    Float32 operands at K > 128 (sm_90a, benchmarks/kernel_resources.py): the transposed scans would need 408 KB of
+    shared memory a block (the H200 has 227), so the plain ones, in 2 pipeline stages: at Triton's default 3 the
+    plain backward scan needs 272 KB (triton 3.6), the forward 232 (3.8)."""
+    wide_f32 = F32 and K > 128
     mode = TUNING[which + "_scan"]
     if mode == "auto":
-        wide = NH >= 64 and K <= 128 if which == "fwd" else NH >= 96
-        mode = "transposed" if wide else "plain"
+        mode = "transposed" if NH >= (64 if which == "fwd" else 96) and not wide_f32 else "plain"
     BV = TUNING[which + "_bv"]
     if BV is None:
         if mode == "transposed":
             BV = 64
-        elif which == "fwd" and NH * triton.cdiv(V, 32) < _sm_count(device):
+        elif which == "fwd" and NH * triton.cdiv(V, 16) < _sm_count(device):
             BV = 16
         else:
             BV = 32
     BK = _pow2(K)
-    return mode == "transposed", BK, min(_pow2(V), BV), TUNING["scan_warps"] or (4 if BK <= 128 else 8)
+    stages = 2 if wide_f32 else 3
+    return mode == "transposed", BK, min(_pow2(V), BV), TUNING["scan_warps"] or (4 if BK <= 128 else 8), stages
 
 
 def _on_inputs_device(launcher):
@@ -1094,8 +1102,8 @@ def chunk_fwd(
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
-    transposed, BK, BV, nw = _scan_plan("fwd", N * H, K, V, q.device)
-    meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw)
+    transposed, BK, BV, nw, ns = _scan_plan("fwd", N * H, K, V, q.device, F32)
+    meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw, num_stages=ns)
     fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
     gmin = g_min if gate else 0.0
     BKi = min(TUNING["intra_bk"] or 64, _pow2(K))
@@ -1169,7 +1177,7 @@ def chunk_bwd(
         return dq, dk, dv, dg, dbeta, dh0
     dh = torch.empty_like(h)
     dD = torch.empty(B, T, H, V, device=q.device, dtype=wdt)
-    transposed, BK, BV, nw = _scan_plan("bwd", N * H, K, V, q.device)
+    transposed, BK, BV, nw, ns = _scan_plan("bwd", N * H, K, V, q.device, F32)
     scan = _scan_bwd_t if transposed else _scan_bwd
     # float32 scratch: dQg, dKd, dW between passes 1 and 2; with the fused L2 norm also dq̂, dk̂ (passes 2 -> 3)
     scr = torch.empty(5 if qk_l2norm else 3, B, T, H, K, device=q.device, dtype=torch.float32)
@@ -1187,7 +1195,8 @@ def chunk_bwd(
             with _on(side and side[0], None):
                 scan[(triton.cdiv(V, BV), N * H)](
                     Qg, Kd, Gc, W, Aq, do, dD, dh, dS_in, dh0, cu, coff, it_lo, it_hi, H=H, K=K, V=V, C=C, BK=BK,
-                    BV=BV, HAS_DHT=dS_in is not None, STORE_DH0=need_dh0 or i > 0, F32=F32, num_warps=nw)
+                    BV=BV, HAS_DHT=dS_in is not None, STORE_DH0=need_dh0 or i > 0, F32=F32, num_warps=nw,
+                    num_stages=ns)
             if side:  # this segment's _main_bwd waits for its scan, and runs beside the next one
                 main.wait_event(side[0].record_event())
             _main_bwd[(r1 - r0, H)](q, k, v, beta, Gc, Mi, h, dh, D, dD, do, dq, dk, dv, dg, dbeta, scr[0], scr[1],

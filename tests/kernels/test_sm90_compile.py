@@ -23,13 +23,14 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(out.read_text())
     compiled = {(r["config"], r["name"]) for r in rows}
-    # the scan kernels each shape gets from chunk._scan_plan (transposed from 64 / 96 sequence-heads at K <= 128)
+    # the scan kernels each shape gets from chunk._scan_plan (transposed from 64 / 96 sequence-heads)
     plain_fwd, transposed_fwd = ("_scan_fwd", "_out_fwd"), ("_scan_fwd_t",)
     kda_scans = {
         "KDA K=V=128": (*transposed_fwd, "_scan_bwd"),
         "KDA K=V=128, gate + q/k L2 norm fused": (*transposed_fwd, "_scan_bwd"),
         "KDA K=V=256": (*plain_fwd, "_scan_bwd"),
         "KDA K=V=128, float32 inputs (3xTF32 products)": (*plain_fwd, "_scan_bwd"),
+        "KDA K=V=256, float32 inputs, B1 H96": (*plain_fwd, "_scan_bwd"),  # never transposed: 408 KB
     }
     kda_other = ("_prep_fwd", "_main_bwd", "_fused_recurrent_fwd")
     expected = {(c, n) for c, scans in kda_scans.items() for n in (*scans, *kda_other)}
@@ -37,6 +38,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("KDA K=V=128, B1 H96 (transposed scans)", n) for n in (*transposed_fwd, "_scan_bwd_t")}
     expected |= {("KDA K=V=128, no backward, split, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
+    expected |= {("KDA K=V=256, B8 H32 (transposed forward scan)", "_scan_fwd_t")}
     expected |= {("KDA K=V=128, intra and wy in two kernels", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {(f"KDA K=V=128, {s}", "_prep_fwd")
                  for s in ("inverse by substitution", "no backward, inverse by substitution", "no backward")}
@@ -49,3 +51,4 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert compiled == expected
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["num_warps"] in (1, 2, 4, 8), r
+        assert r["blocks_per_sm"] >= 1, r  # launchable on an H200 (shared memory, registers)
