@@ -140,6 +140,8 @@ def configs() -> dict[str, list[aot.Launch]]:
             tuning=dict(fwd_prep="split", u_dtype="work"), save=False),
         "KDA K=V=256, B8 H32 (transposed forward scan)": _kda(8, 2048, 32, 256, 256, False, False,
                                                               only=("_scan_fwd_t",)),
+        "KDA K=V=256, B8 H32, no backward (128-wide transposed forward scan)": _kda(
+            8, 2048, 32, 256, 256, False, False, only=("_scan_fwd_t",), save=False),
         "KDA K=V=256, plain scan writing the output": _kda(1, 8192, 32, 256, 256, False, False, only=("_scan_fwd",),
                                                            tuning=dict(fwd_plain_out="fused")),
         "KDA K=V=128, intra and wy in two kernels": _kda(4, 4096, 16, 128, 128, False, False,

@@ -1017,10 +1017,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: bool
+def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: bool, save: bool = True
                ) -> tuple[bool, int, int, int, int]:
     """``(transposed, BK, BV, num_warps, num_stages)`` of the ``"fwd"`` or ``"bwd"`` scan over ``NH`` = sequences x
-    heads, with float32 matrix operands when ``F32``.
+    heads, with float32 matrix operands when ``F32``; ``save=False``: a forward with no backward to follow.
 
     The scans are latency-bound: one program per (sequence, head, value block) walks all chunks in order. Rule
     from H200 timings (benchmarks/RESULTS.md, "KDA launch settings"): the transposed state in 64-wide value
@@ -1028,7 +1028,12 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: b
     else the plain state in 32-wide blocks, 16-wide for the forward when even 16-wide ones leave SMs idle (B1 H16:
     128 programs on 132 SMs, forward 0.82 ms against 0.93 in 32-wide blocks at T16384; B2 H16: 256 programs,
     0.74 against 0.70). Session 13: at K = V = 256 (B8 H32) the transposed forward took 2.74 ms against the plain
-    scan and output kernel's 3.29, which until then the rule kept for K > 128.
+    scan and output kernel's 3.29, which until then the rule kept for K > 128. Session 14: without a backward to
+    follow, at K > 128 the transposed forward in 128-wide value blocks, 2.33 ms against 2.76 (its scan 1.20 against
+    1.63), the outputs bit-identical. Eight warps over a 64-row state split the products' columns: each chunk the
+    state goes through shared memory to both warpgroups, which both form the [64, C] products (triton 3.6's TTGIR:
+    64 m64n16k16 wgmma a trip against 32 m64n32k16 for 128 rows, each warpgroup its own 64). With the states stored
+    for the backward the 128-wide blocks spill 668 B a thread (forward+backward 13.06 against 12.39 ms), so 64.
     Float32 operands at K > 128 (sm_90a, benchmarks/kernel_resources.py): the transposed scans would need 408 KB of
     shared memory a block (the H200 has 227), so the plain ones, in 2 pipeline stages: at Triton's default 3 the
     plain backward scan needs 272 KB (triton 3.6), the forward 232 (3.8)."""
@@ -1039,7 +1044,7 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: b
     BV = TUNING[which + "_bv"]
     if BV is None:
         if mode == "transposed":
-            BV = 64
+            BV = 128 if which == "fwd" and not save and K > 128 else 64
         elif which == "fwd" and NH * triton.cdiv(V, 16) < _sm_count(device):
             BV = 16
         else:
@@ -1102,7 +1107,7 @@ def chunk_fwd(
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
-    transposed, BK, BV, nw, ns = _scan_plan("fwd", N * H, K, V, q.device, F32)
+    transposed, BK, BV, nw, ns = _scan_plan("fwd", N * H, K, V, q.device, F32, save)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw, num_stages=ns)
     fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
     gmin = g_min if gate else 0.0

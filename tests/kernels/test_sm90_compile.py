@@ -39,6 +39,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("KDA K=V=128, no backward, split, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
     expected |= {("KDA K=V=256, B8 H32 (transposed forward scan)", "_scan_fwd_t")}
+    expected |= {("KDA K=V=256, B8 H32, no backward (128-wide transposed forward scan)", "_scan_fwd_t")}
     expected |= {("KDA K=V=128, intra and wy in two kernels", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {(f"KDA K=V=128, {s}", "_prep_fwd")
                  for s in ("inverse by substitution", "no backward, inverse by substitution", "no backward")}
