@@ -1031,9 +1031,9 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: b
     scan and output kernel's 3.29, which until then the rule kept for K > 128. Session 14: without a backward to
     follow, at K > 128 the transposed forward in 128-wide value blocks, 2.33 ms against 2.76 (its scan 1.20 against
     1.63), the outputs bit-identical. Eight warps over a 64-row state split the products' columns: each chunk the
-    state goes through shared memory to both warpgroups, which both form the [64, C] products (triton 3.6's TTGIR:
-    64 m64n16k16 wgmma a trip against 32 m64n32k16 for 128 rows, each warpgroup its own 64). With the states stored
-    for the backward the 128-wide blocks spill 668 B a thread (forward+backward 13.06 against 12.39 ms), so 64.
+    state goes through shared memory to both warpgroups, which both form the [64, C] products (read off triton
+    3.6's TTGIR in session 14, not checked by a script); on 128 rows each warpgroup owns 64. With the states
+    stored for the backward the 128-wide blocks were slower (forward+backward 13.06 against 12.39 ms), so 64.
     Float32 operands at K > 128 (sm_90a, benchmarks/kernel_resources.py): the transposed scans would need 408 KB of
     shared memory a block (the H200 has 227), so the plain ones, in 2 pipeline stages: at Triton's default 3 the
     plain backward scan needs 272 KB (triton 3.6), the forward 232 (3.8)."""

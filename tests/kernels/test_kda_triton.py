@@ -80,6 +80,24 @@ def scan_layout(request, monkeypatch):
     return request.param
 
 
+def spy_launches(monkeypatch, names, record):
+    """Wrap the ``chunk`` kernels ``names`` so that each launch first appends ``record(name, kwargs)`` to the
+    returned list, then runs."""
+    seen = []
+    for name in names:
+        kernel = getattr(chunk, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kw):
+                    seen.append(record(name, kw))
+                    return kernel[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(chunk, name, Spy())
+    return seen
+
+
 def assert_errors(err, tol):
     bad = {n: e for n, e in err.items() if not e <= (tol[n] if isinstance(tol, dict) else tol)}
     assert not bad, f"relative RMS errors above tolerance: {bad} (all: {err})"
@@ -108,18 +126,8 @@ def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
 
     for key, value in dict(fwd_prep="split", intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
         monkeypatch.setitem(chunk.TUNING, key, value)
-    blocks = []
-    for name in ("_intra_fwd", "_wy_fwd"):  # record each launch's block sizes, then launch it
-        kernel = getattr(chunk, name)
-
-        class Spy:
-            def __getitem__(self, grid, kernel=kernel, name=name):
-                def launch(*args, **kw):
-                    blocks.append((name, kw["BK"], kw.get("BV"), kw["num_warps"]))
-                    return kernel[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(chunk, name, Spy())
+    blocks = spy_launches(monkeypatch, ("_intra_fwd", "_wy_fwd"),
+                          lambda name, kw: (name, kw["BK"], kw.get("BV"), kw["num_warps"]))
     assert_errors(run_both(make_inputs(1, 70, 2, 80, 72)), TOL_F32)
     assert set(blocks) == {("_intra_fwd", 32, None, 4), ("_wy_fwd", 32, 32, 2)}
 
@@ -151,17 +159,7 @@ def test_inference_forward_at_wide_keys_scans_128_wide_value_blocks(seed, monkey
     from k3lit.kernels.kda import kda_triton
 
     monkeypatch.setitem(chunk.TUNING, "fwd_scan", "transposed")
-    widths = []
-    kernel = chunk._scan_fwd_t
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                widths.append(kw["BV"])
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(chunk, "_scan_fwd_t", Spy())
+    widths = spy_launches(monkeypatch, ("_scan_fwd_t",), lambda name, kw: kw["BV"])
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     q, k, v, g, beta, h0 = make_inputs(1, 70 if DEV == "cpu" else 700, 2, 136, 200, dtype=dtype)
     with torch.no_grad():
