@@ -17,9 +17,10 @@ test's computation for one seed with the interpreter's arithmetic switched to an
 
     python benchmarks/kda_f32_emulation.py --seed 1278776756 --block 3 [--dots tf32x3|bf16x6] [--exp GPU|ulp]
 
-Prints the relative RMS error of all parameter gradients for the kernels and for PyTorch, and their ratio (the test
-allows 3). ``--exp ulp`` is no less accurate than exact: how far it moves the error is how far the test's measure
-can be trusted on that seed.
+Prints the relative RMS error of all parameter gradients for the kernels and for PyTorch (one float32 CPU run), and
+their ratio. ``--exp ulp`` is no less accurate than exact: how far it moves the error is how far one run can be
+trusted as a measure on that seed, which is why the test's yardstick is the median of five float32 runs
+(``benchmarks/f32_model_probe.py`` prints them on the GPU).
 """
 
 from __future__ import annotations

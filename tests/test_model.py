@@ -293,48 +293,79 @@ def test_meta_init_weights_equal_construction(kw):
         assert torch.equal(got[name], t), name
 
 
+def nudged(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """float32 copies of ``state`` with every value moved one float32 ulp up or down at random: a model that
+    float32 cannot tell from ``state``'s, for sampling how far rounding alone moves float32's error."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, v in state.items():
+        v = v.float()
+        up = torch.rand(v.shape, generator=gen) < 0.5
+        out[name] = torch.nextafter(v, torch.where(up, float("inf"), float("-inf")))
+    return out
+
+
+def float32_errors(cfg: dict, model: K3LM, idx: torch.Tensor, kda: str, attn_res_kernels: bool, device: str,
+                   state: dict[str, torch.Tensor] | None = None) -> tuple[float, torch.Tensor]:
+    """Loss and flat float64 gradient of ``model``'s weights (or ``state``) run in float32 on ``device``, KDA on
+    ``kda``'s backend and the AttnRes reads on their kernels or (``attn_res_kernels=False``) in PyTorch."""
+    m = K3LM(dataclasses.replace(TINY, kda_backend=kda, **cfg)).to(device)
+    m.load_state_dict({k: v.float() for k, v in (state or model.state_dict()).items()})
+    saved = attn_res_ops._kernels
+    if not attn_res_kernels:  # "auto" then takes the PyTorch forms of the reads on CUDA too
+        attn_res_ops._kernels = lambda: None
+    try:
+        value = next_token_loss(m(idx[:, :-1].to(device))[0], idx)
+        value.backward()
+    finally:
+        attn_res_ops._kernels = saved
+    return value.item(), torch.cat([p.grad.double().cpu().flatten() for p in m.parameters()])
+
+
+def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` ``[B, T - 1, vocab]`` against ``idx[:, 1:]``, in float64."""
+    return torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), idx[:, 1:].flatten().to(logits.device))
+
+
+def float32_yardstick(cfg: dict, model: K3LM, idx: torch.Tensor, ref_loss: float, ref: torch.Tensor,
+                      seed: int) -> tuple[float, float]:
+    """float32 PyTorch's loss and gradient errors on one draw, as the median over five float32 runs that round
+    differently: on the GPU, on the CPU, and on the GPU with the weights nudged one ulp (:func:`nudged`) thrice.
+    One run is no measure: on the H200 the GPU run's gradient error was 1.7e-5 where the CPU's was 1.6e-4 and the
+    nudged runs' 7e-5 to 1e-4 (K3LIT_SEED=1414577424, block 3; ``benchmarks/f32_model_probe.py``)."""
+    settings = [("cuda", None), ("cpu", None)] + [("cuda", nudged(model.state_dict(), seed + i)) for i in range(3)]
+    runs = [float32_errors(cfg, model, idx, "torch", False, device, state) for device, state in settings]
+    loss_err = sorted(abs(v - ref_loss) for v, _ in runs)[2]
+    return loss_err, sorted(rel_rms(g, ref) for _, g in runs)[2]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
 @pytest.mark.parametrize("residual,block", [("block_attnres", 4), ("block_attnres", 3), ("full_attnres", 1)])
-def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block, monkeypatch):
+def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block):
     """On CUDA the AttnRes reads run on the Triton kernels (two-phase, and the one-pass final read), KDA on its
     kernels. Against the literal float64 loop, the float32 model's loss and gradients (all parameters as one
-    vector) are as accurate as the same float32 model on the same GPU with the PyTorch forms of KDA and AttnRes.
-    With random pseudo-queries the depth softmax is sharp and float32 itself errs by up to ~2e-3 on single
-    parameters, so the yardstick is float32 PyTorch, not a fixed tolerance; and it is PyTorch on the GPU, whose
-    float32 matrix products and attention err 1-3x more than the CPU's here (seeds 1, 2, 785300229 in session 7).
-    One draw of that ratio is not a sound measure: on some draws the sharp softmax amplifies rounding so much that
-    moving every exponential in the KDA kernels by one float32 ulp changes the error 3x (K3LIT_SEED=1278776756,
-    block 3: 12x PyTorch's error on the H200; ``benchmarks/kda_f32_emulation.py --exp ulp`` replays it on the CPU).
-    So the kernels' error may be up to 3x the yardstick's on at least three of five draws (models and batches from
-    ``seed``, ``seed + 1``, ...), which a kernel that is less accurate on most inputs still fails."""
+    vector) are as accurate as float32 PyTorch's on the same model. With random pseudo-queries the depth softmax
+    is sharp and float32 itself errs by up to ~2e-3 on single parameters, so the yardstick is float32 PyTorch, not
+    a fixed tolerance; and since on such draws rounding alone moves float32's error up to 10x (summation order,
+    CPU against GPU, weights one ulp apart), the yardstick is the median of five float32 runs
+    (:func:`float32_yardstick`), not one run (``benchmarks/f32_model_probe.py`` prints them all, and splits the
+    kernels' error between KDA and AttnRes). The kernels' error may be up to 3x that on at least three of five
+    draws (models and batches from ``seed``, ``seed + 1``, ...), which a kernel that is less accurate on most
+    inputs still fails."""
     cfg = dict(residual=residual, attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
-
-    def loss(logits, idx):
-        return torch.nn.functional.cross_entropy(logits.double().flatten(0, 1), idx[:, 1:].flatten().to(logits.device))
-
-    def float32_on_gpu(model, idx, kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        m = K3LM(dataclasses.replace(TINY, kda_backend="triton" if kernels else "torch", **cfg)).cuda()
-        m.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-        with monkeypatch.context() as patch:
-            if not kernels:  # "auto" then takes the PyTorch forms of the AttnRes reads on CUDA too
-                patch.setattr(attn_res_ops, "_kernels", lambda: None)
-            value = loss(m(idx[:, :-1].cuda())[0], idx)
-            value.backward()
-        return value, torch.cat([p.grad.double().cpu().flatten() for p in m.parameters()])
-
-    errors = []  # per draw: (kernels' loss error, PyTorch's, kernels' gradient error, PyTorch's)
+    errors = []  # per draw: (kernels' loss error, float32's, kernels' gradient error, float32's)
     for draw in range(5):
         torch.manual_seed(seed + draw)
         model = build(**cfg)
         idx = torch.randint(0, TINY.vocab_size, (2, 37))
-        ref_loss = loss(literal_forward(model, idx[:, :-1]), idx)
+        ref_loss = next_token_loss(literal_forward(model, idx[:, :-1]), idx)
         ref_loss.backward()
         ref = torch.cat([p.grad.double().cpu().flatten() for p in model.parameters()])
-        (gpu_loss, gpu), (torch_loss, torch_grads) = float32_on_gpu(model, idx, True), float32_on_gpu(model, idx, False)
-        errors.append((abs(gpu_loss.item() - ref_loss.item()), abs(torch_loss.item() - ref_loss.item()),
-                       rel_rms(gpu, ref), rel_rms(torch_grads, ref)))
-    print("loss and gradient errors (kernels, PyTorch) per draw:", errors)
+        loss, grads = float32_errors(cfg, model, idx, "triton", True, "cuda")
+        loss_yardstick, grad_yardstick = float32_yardstick(cfg, model, idx, ref_loss.item(), ref, seed + draw)
+        errors.append((abs(loss - ref_loss.item()), loss_yardstick, rel_rms(grads, ref), grad_yardstick))
+    print("loss and gradient errors (kernels, float32 PyTorch median) per draw:", errors)
     # as accurate as float32 PyTorch within 3x (and 1e-6: float32's rounding of a loss near 7) on most draws
     assert sum(lk <= 3 * lt + 1e-6 for lk, lt, _, _ in errors) >= 3, errors
     assert sum(gk <= 3 * gt + 1e-6 for _, _, gk, gt in errors) >= 3, errors

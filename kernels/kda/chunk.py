@@ -630,7 +630,11 @@ def _main_bwd(
     X = Diag(beta) K⊙exp(G); dQg, dKd and M^T dW are kept in the float32 scratch ``s_dqg``, ``s_dkd``, ``s_dw``
     (each ``[T, H, K]``), so that M is not needed in pass 2. Then dL = -M^T dM M^T and dA = Diag(beta) dL.
     Pass 2: dq, dk and the dense pair terms of A and Aq (same rebasing as the forward), dG and dg = reverse
-    cumsum of dG (per channel, so per block); A itself (for dbeta's dL term) from pass 2's operands.
+    cumsum of dG (per channel, so per block); A itself (for dbeta's dL term) from the forward's bf16 operands.
+    The pair terms' products take TF32 operands (dA, dAq and the rebased K, Q rounded by :func:`_tf32`), as the
+    forward's Aq does: dG subtracts the column terms from the row terms, and the bf16 roundings of their operands
+    made most of dg's error (H200, B2 T1024 H16 D128, mean of 8 draws, ``benchmarks/kda_accuracy.py``: dg
+    3.25e-3 with bf16 operands, 2.35e-3 with TF32, fla 2.80e-3; forward+backward 1-3% slower).
 
     With ``GATE`` the stored gradient is that of the pre-activation e: dg * g_min * sigmoid(x) sigmoid(-x),
     x = e + bias (= s (1 - s), relative accuracy kept where s rounds to 1). With ``L2`` pass 2 works on the
@@ -709,12 +713,12 @@ def _main_bwd(
     tl.debug_barrier()  # pass 2 reads the scratch this program wrote
     # M = (I + L)^-1: dL = -M^T dM M^T, strictly lower; L = Diag(beta) A
     dL = tl.where(m_lo, -_dot(_dot(b_mt, dM, F32), b_mt, F32), 0.0)
-    dA = _op(dL * b_beta[:, None], F32)
+    dA = _tf32(dL * b_beta[:, None], F32)
     # Aq's diagonal carries no decay (exp(G_i - G_i) = 1): it feeds dq and dk elementwise and never dG, so
     # dG has no pair of O(1) terms that cancel (that cancellation costs dg its relative accuracy when the
     # true dg is as small as exp(g_min)).
     d_ii = tl.sum(tl.where(rows[:, None] == rows[None, :], dAq, 0.0), axis=1) * scale
-    dAq = _op(tl.where(m_lo, dAq, 0.0) * scale, F32)
+    dAq = _tf32(tl.where(m_lo, dAq, 0.0) * scale, F32)
     dot_q = tl.zeros([C], dtype=tl.float32)
     A = tl.zeros([C, C], dtype=tl.float32)
     dot_k = tl.zeros([C], dtype=tl.float32)
@@ -747,13 +751,15 @@ def _main_bwd(
         b_Gr = _row(b_G, rows, R)
         up = tl.exp(b_G - b_Gr[None, :])
         dn = tl.exp(b_Gr[None, :] - b_G)
-        kup = _op(b_k * up, F32)
-        kdn = _op(b_k * dn, F32)
-        A += _dot(kup, tl.trans(kdn), F32)  # the forward's A (for dbeta), from pass 2's operands
-        qup = _op(b_q * up, F32)
-        dq_p = _dot(dAq, kdn, F32) * up
-        dk_r = _dot(dA, kdn, F32) * up
-        dk_c = (_dot(tl.trans(dA), kup, F32) + _dot(tl.trans(dAq), qup, F32)) * dn
+        kup = b_k * up
+        kdn = b_k * dn
+        A += _dot(_op(kup, F32), tl.trans(_op(kdn, F32)), F32)  # the forward's A (for dbeta), bit for bit
+        kup = _tf32(kup, F32)
+        kdn = _tf32(kdn, F32)
+        qup = _tf32(b_q * up, F32)
+        dq_p = _dot_aq(dAq, kdn, F32) * up
+        dk_r = _dot_aq(dA, kdn, F32) * up
+        dk_c = (_dot_aq(tl.trans(dA), kup, F32) + _dot_aq(tl.trans(dAq), qup, F32)) * dn
         b_dq += dq_p + d_ii[:, None] * b_k
         b_dk += dk_r + dk_c + d_ii[:, None] * b_q
         dG += b_q * dq_p + b_k * (dk_r - dk_c)

@@ -1,0 +1,89 @@
+"""Where the float32 model test's gradient error comes from, on the GPU, and how well-posed each draw is.
+
+``tests/test_model.py::test_gpu_attnres_model_as_accurate_as_float32_pytorch`` compares the gradients of a float32
+block-AttnRes model on CUDA (KDA and the AttnRes reads on their Triton kernels) with the same float32 model in
+PyTorch, both against the float64 loop. This script runs that test's draws for one seed and splits the kernels'
+error by component, next to the float32 PyTorch runs whose median is the test's yardstick:
+
+- ``kernels``: KDA and the AttnRes reads on the kernels (what the test measures);
+- ``KDA kernels``: KDA on its kernels, the AttnRes reads in PyTorch;
+- ``AttnRes kernels``: the AttnRes reads on their kernels, KDA in PyTorch (the chunked form);
+- ``PyTorch``: both in PyTorch on the GPU (the test's yardstick);
+- ``PyTorch CPU``: both in PyTorch on the CPU, float32;
+- ``PyTorch, weights 1 ulp``: PyTorch on the GPU with every float32 weight moved one ulp up or down at random
+  (three draws of the moves): a model that float32 cannot tell from the test's;
+- ``yardstick``: the test's measure of float32's error, the median of the five PyTorch columns; ``ratio``: the
+  kernels' error over it (the test allows 3 on three of five draws).
+
+    python benchmarks/f32_model_probe.py --seed 1414577420 --block 3 [--json out.json]
+
+Prints one row per draw of relative RMS errors of all parameter gradients against the float64 loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import test_model as tm  # noqa: E402
+
+from k3lit.testing import rel_rms  # noqa: E402
+
+COLUMNS = ("kernels", "KDA kernels", "AttnRes kernels", "PyTorch", "PyTorch CPU", "PyTorch, weights 1 ulp",
+           "PyTorch, weights 1 ulp (2)", "PyTorch, weights 1 ulp (3)", "yardstick", "ratio")
+
+
+def draw_errors(seed: int, block: int) -> dict[str, float]:
+    """Gradient errors of every column of :data:`COLUMNS` for the model and batch the test builds from ``seed``:
+    ``yardstick`` is the test's (the median of the five PyTorch columns), ``ratio`` the kernels' error over it."""
+    torch.manual_seed(seed)
+    cfg = dict(residual="block_attnres", attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
+    model = tm.build(**cfg)
+    idx = torch.randint(0, tm.TINY.vocab_size, (2, 37))
+    tm.next_token_loss(tm.literal_forward(model, idx[:, :-1]), idx).backward()
+    ref = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    runs = {
+        "kernels": ("triton", True, "cuda", None),
+        "KDA kernels": ("triton", False, "cuda", None),
+        "AttnRes kernels": ("torch", True, "cuda", None),
+        "PyTorch": ("torch", False, "cuda", None),
+        "PyTorch CPU": ("torch", False, "cpu", None),
+        **{f"PyTorch, weights 1 ulp{f' ({i + 1})' if i else ''}": ("torch", False, "cuda",
+                                                                      tm.nudged(model.state_dict(), seed + i))
+           for i in range(3)},
+    }
+    err = {name: rel_rms(tm.float32_errors(cfg, model, idx, *run)[1], ref) for name, run in runs.items()}
+    err["yardstick"] = sorted(err[c] for c in COLUMNS[3:8])[2]
+    err["ratio"] = err["kernels"] / err["yardstick"]
+    return err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=1414577420)
+    ap.add_argument("--block", type=int, default=3)
+    ap.add_argument("--draws", type=int, default=5)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    rows = []
+    print("| draw | " + " | ".join(COLUMNS) + " |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
+    for d in range(args.draws):
+        err = draw_errors(args.seed + d, args.block)
+        rows.append({"seed": args.seed + d, **err})
+        print(f"| {args.seed + d} | " + " | ".join(f"{err[c]:.2e}" for c in COLUMNS[:-1]) + f" | {err['ratio']:.2f} |",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"block": args.block, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
