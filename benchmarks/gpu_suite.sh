@@ -37,7 +37,7 @@ if want kda; then
   for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker "$i/6" > "$LOGS/worker$i.log" 2>&1 & done
 fi
 if want tests; then
-  timeout 300 python -m pytest -q -m gpu tests/kernels tests/test_model.py tests/nn -p no:cacheprovider \
+  timeout 360 python -m pytest -q -m gpu tests/kernels tests/test_model.py tests/nn -p no:cacheprovider \
     > "$LOGS/pytest.log" 2>&1
   stamp "GPU tests: $(tail -1 "$LOGS/pytest.log")"
 fi

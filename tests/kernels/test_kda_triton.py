@@ -150,6 +150,7 @@ def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
     assert torch.equal(o_inf, o.detach()) and torch.equal(ht_inf, ht.detach())
 
 
+@pytest.mark.gpu  # also on the CPU: the GPU suite runs it for the bit-for-bit check
 def test_inference_forward_at_wide_keys_scans_128_wide_value_blocks(seed, monkeypatch):
     """At K > 128 the transposed forward scan runs in 128-wide value blocks without a backward to follow and in
     64-wide ones when it stores the states for the backward (chunk._scan_plan). V = 200: two 128-wide blocks, the
