@@ -1,19 +1,19 @@
-"""Where the float32 model test's gradient error comes from, on the GPU, and how well-posed each draw is.
+"""Where the float32 model test's gradient error comes from, on the GPU, and how far float32 itself errs there.
 
 ``tests/test_model.py::test_gpu_attnres_model_as_accurate_as_float32_pytorch`` compares the gradients of a float32
 block-AttnRes model on CUDA (KDA and the AttnRes reads on their Triton kernels) with the same float32 model in
 PyTorch, both against the float64 loop. This script runs that test's draws for one seed and splits the kernels'
-error by component, next to the float32 PyTorch runs whose median is the test's yardstick:
+error by component, next to the five float32 PyTorch runs whose median is the test's yardstick:
 
 - ``kernels``: KDA and the AttnRes reads on the kernels (what the test measures);
 - ``KDA kernels``: KDA on its kernels, the AttnRes reads in PyTorch;
 - ``AttnRes kernels``: the AttnRes reads on their kernels, KDA in PyTorch (the chunked form);
-- ``PyTorch``: both in PyTorch on the GPU (the test's yardstick);
-- ``PyTorch CPU``: both in PyTorch on the CPU, float32;
-- ``PyTorch, weights 1 ulp``: PyTorch on the GPU with every float32 weight moved one ulp up or down at random
-  (three draws of the moves): a model that float32 cannot tell from the test's;
-- ``yardstick``: the test's measure of float32's error, the median of the five PyTorch columns; ``ratio``: the
-  kernels' error over it (the test allows 3 on three of five draws).
+- ``PyTorch GPU``, ``PyTorch CPU``: both in PyTorch, float32, on the GPU and on the CPU;
+- ``PyTorch GPU, weights 1 ulp (i)``: PyTorch on the GPU on a neighbouring model, every weight moved one float32
+  ulp up or down at random (three draws of the moves), against that model's own float64 reference;
+- ``yardstick``: the test's measure of float32's error, the median of the five PyTorch columns
+  (``tests/test_model.py::float32_yardstick``); ``ratio``: the kernels' error over it (the test allows 3 on three
+  of five draws).
 
     python benchmarks/f32_model_probe.py --seed 1414577420 --block 3 [--json out.json]
 
@@ -34,10 +34,16 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import test_model as tm  # noqa: E402
 
+from benchmarks.results import versions  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
-COLUMNS = ("kernels", "KDA kernels", "AttnRes kernels", "PyTorch", "PyTorch CPU", "PyTorch, weights 1 ulp",
-           "PyTorch, weights 1 ulp (2)", "PyTorch, weights 1 ulp (3)", "yardstick", "ratio")
+KERNEL_RUNS = {  # column: (KDA backend, AttnRes reads on their kernels)
+    "kernels": ("triton", True),
+    "KDA kernels": ("triton", False),
+    "AttnRes kernels": ("torch", True),
+}
+PYTORCH_RUNS = ("GPU", "CPU", "GPU, weights 1 ulp (1)", "GPU, weights 1 ulp (2)", "GPU, weights 1 ulp (3)")
+COLUMNS = (*KERNEL_RUNS, *(f"PyTorch {c}" for c in PYTORCH_RUNS), "yardstick", "ratio")
 
 
 def draw_errors(seed: int, block: int) -> dict[str, float]:
@@ -47,20 +53,13 @@ def draw_errors(seed: int, block: int) -> dict[str, float]:
     cfg = dict(residual="block_attnres", attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
     model = tm.build(**cfg)
     idx = torch.randint(0, tm.TINY.vocab_size, (2, 37))
-    tm.next_token_loss(tm.literal_forward(model, idx[:, :-1]), idx).backward()
-    ref = torch.cat([p.grad.double().flatten() for p in model.parameters()])
-    runs = {
-        "kernels": ("triton", True, "cuda", None),
-        "KDA kernels": ("triton", False, "cuda", None),
-        "AttnRes kernels": ("torch", True, "cuda", None),
-        "PyTorch": ("torch", False, "cuda", None),
-        "PyTorch CPU": ("torch", False, "cpu", None),
-        **{f"PyTorch, weights 1 ulp{f' ({i + 1})' if i else ''}": ("torch", False, "cuda",
-                                                                      tm.nudged(model.state_dict(), seed + i))
-           for i in range(3)},
-    }
-    err = {name: rel_rms(tm.float32_errors(cfg, model, idx, *run)[1], ref) for name, run in runs.items()}
-    err["yardstick"] = sorted(err[c] for c in COLUMNS[3:8])[2]
+    state = model.state_dict()
+    ref = tm.float64_reference(cfg, state, idx)
+    err = {name: rel_rms(tm.float32_run(cfg, state, idx, "cuda", kda=kda, attn_res_kernels=attn)[1], ref[1])
+           for name, (kda, attn) in KERNEL_RUNS.items()}
+    runs = tm.float32_pytorch_errors(cfg, state, idx, ref, seed)
+    err.update({f"PyTorch {name}": grad_err for name, (_, grad_err) in runs.items()})
+    err["yardstick"] = tm.float32_yardstick(runs)[1]
     err["ratio"] = err["kernels"] / err["yardstick"]
     return err
 
@@ -82,7 +81,7 @@ def main() -> None:
               flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"block": args.block, "rows": rows}, f, indent=1)
+            json.dump({**versions(), "block": args.block, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kda import TOL, errors, inputs, load_fla, make_fla, ours  # noqa: E402
+from benchmarks.results import versions  # noqa: E402
 
 
 def draw(impls: dict, B: int, T: int, H: int, D: int, seed: int) -> dict[str, dict[str, float]]:
@@ -57,7 +58,8 @@ def main() -> None:
             f"{sum(r['k3lit'][n] < r['fla'][n] for r in runs)}/{len(runs)}" for n in TOL) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": [B, T, H, D], "runs": runs}, f, indent=1)
+            env = versions() | ({"fla": __import__("fla").__version__} if fla is not None else {})
+            json.dump({**env, "shape": [B, T, H, D], "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ def _dot_aq(a, b, F32: tl.constexpr):
     by the caller. TF32's mantissa is 8x finer than bfloat16's, and in bf16 these roundings made most of the
     output's error: in the float64 emulation of benchmarks/kda_rounding.py (T 512, K = V = 64) rounding Aq's two
     operands to bf16 alone gives o a relative RMS error of 2.4e-3, all roundings together 3.4e-3, and 1.7e-3 with
-    the Aq points in TF32 (the H200: 3.66e-3 -> 2.38e-3 at B2 T1024 H16 D128). 3xTF32 for float32 inputs."""
+    the Aq points in TF32 (the H200: 3.66e-3 -> 2.38e-3 at B2 T1024 H16 D128). Also the backward's pair terms
+    (dAq, dA and the rebased K, Q, rounded by the caller; :func:`_main_bwd`). 3xTF32 for float32 inputs."""
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
@@ -634,7 +635,7 @@ def _main_bwd(
     The pair terms' products take TF32 operands (dA, dAq and the rebased K, Q rounded by :func:`_tf32`), as the
     forward's Aq does: dG subtracts the column terms from the row terms, and the bf16 roundings of their operands
     made most of dg's error (H200, B2 T1024 H16 D128, mean of 8 draws, ``benchmarks/kda_accuracy.py``: dg
-    3.25e-3 with bf16 operands, 2.35e-3 with TF32, fla 2.80e-3; forward+backward 1-3% slower).
+    3.25e-3 with bf16 operands, 2.35e-3 with TF32, fla 2.80e-3; forward+backward 1-3.3% slower).
 
     With ``GATE`` the stored gradient is that of the pre-activation e: dg * g_min * sigmoid(x) sigmoid(-x),
     x = e + bias (= s (1 - s), relative accuracy kept where s rounds to 1). With ``L2`` pass 2 works on the
@@ -753,7 +754,7 @@ def _main_bwd(
         dn = tl.exp(b_Gr[None, :] - b_G)
         kup = b_k * up
         kdn = b_k * dn
-        A += _dot(_op(kup, F32), tl.trans(_op(kdn, F32)), F32)  # the forward's A (for dbeta), bit for bit
+        A += _dot(_op(kup, F32), tl.trans(_op(kdn, F32)), F32)  # the forward's A (for dbeta), its bf16 operands
         kup = _tf32(kup, F32)
         kdn = _tf32(kdn, F32)
         qup = _tf32(b_q * up, F32)
