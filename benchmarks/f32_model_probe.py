@@ -42,13 +42,12 @@ KERNEL_RUNS = {  # column: (KDA backend, AttnRes reads on their kernels)
     "KDA kernels": ("triton", False),
     "AttnRes kernels": ("torch", True),
 }
-PYTORCH_RUNS = ("GPU", "CPU", "GPU, weights 1 ulp (1)", "GPU, weights 1 ulp (2)", "GPU, weights 1 ulp (3)")
-COLUMNS = (*KERNEL_RUNS, *(f"PyTorch {c}" for c in PYTORCH_RUNS), "yardstick", "ratio")
 
 
 def draw_errors(seed: int, block: int) -> dict[str, float]:
-    """Gradient errors of every column of :data:`COLUMNS` for the model and batch the test builds from ``seed``:
-    ``yardstick`` is the test's (the median of the five PyTorch columns), ``ratio`` the kernels' error over it."""
+    """Gradient errors for the model and batch the test builds from ``seed``: the :data:`KERNEL_RUNS`, the five
+    PyTorch runs of ``float32_pytorch_errors`` (prefixed "PyTorch"), ``yardstick`` (the test's: their median) and
+    ``ratio`` (the kernels' error over it)."""
     torch.manual_seed(seed)
     cfg = dict(residual="block_attnres", attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
     model = tm.build(**cfg)
@@ -72,13 +71,13 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     rows = []
-    print("| draw | " + " | ".join(COLUMNS) + " |")
-    print("|---" * (len(COLUMNS) + 1) + "|")
     for d in range(args.draws):
         err = draw_errors(args.seed + d, args.block)
+        if not rows:
+            print("| draw | " + " | ".join(err) + " |\n" + "|---" * (len(err) + 1) + "|")
         rows.append({"seed": args.seed + d, **err})
-        print(f"| {args.seed + d} | " + " | ".join(f"{err[c]:.2e}" for c in COLUMNS[:-1]) + f" | {err['ratio']:.2f} |",
-              flush=True)
+        print(f"| {args.seed + d} | " + " | ".join(f"{v:.2e}" for v in list(err.values())[:-1])
+              + f" | {err['ratio']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**versions(), "block": args.block, "rows": rows}, f, indent=1)
