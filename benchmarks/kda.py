@@ -53,6 +53,7 @@ from k3lit.ops.kda import kda_reference  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
 G_MIN = -5.0
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")  # of q, k, v, g, beta, h0, in that order
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02, "dh0": 0.008}
 SHAPES = [  # (B, T, H, D)
     (8, 2048, 16, 128),
@@ -100,18 +101,24 @@ def inputs(B, T, H, K, V, device="cuda", requires_grad=False, h0=False):
     return [x.requires_grad_(requires_grad) for x in xs]
 
 
-def errors(fn, xs, cu=None):
-    """Relative RMS errors of o, ht and every gradient against the float64 reference on the same values."""
-    a = [x.detach().clone().requires_grad_() for x in xs]
+def reference(xs, cu=None):
+    """The float64 token-by-token reference on the values ``xs`` (q, k, v, g, beta, h0), with random output
+    gradients dO and dht drawn here: ``{"o", "ht", "do", "dht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}``."""
     r = [x.detach().double().requires_grad_() for x in xs]
-    o, ht = fn(*a, cu=cu) if cu is not None else fn(*a)
     o_r, ht_r = kda_reference(*r[:5], None, r[5], True, cu)
     do, dht = torch.randn_like(o_r), torch.randn_like(ht_r)
-    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
     ((o_r * do).sum() + (ht_r * dht).sum()).backward()
-    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    out = {"o": rel_rms(o, o_r), "ht": rel_rms(ht, ht_r)}
-    out.update({n: rel_rms(x.grad, y.grad) for n, x, y in zip(names, a, r)})
+    return {"o": o_r, "ht": ht_r, "do": do, "dht": dht, **{n: x.grad for n, x in zip(GRADS, r)}}
+
+
+def errors(fn, xs, ref, cu=None):
+    """Relative RMS errors of o, ht and every gradient of ``fn`` against :func:`reference` ``ref`` of the same
+    values (each implementation backpropagates the reference's dO and dht)."""
+    a = [x.detach().clone().requires_grad_() for x in xs]
+    o, ht = fn(*a, cu=cu) if cu is not None else fn(*a)
+    ((o.double() * ref["do"]).sum() + (ht.double() * ref["dht"]).sum()).backward()
+    out = {"o": rel_rms(o, ref["o"]), "ht": rel_rms(ht, ref["ht"])}
+    out.update({n: rel_rms(x.grad, ref[n]) for n, x in zip(GRADS, a)})
     return out
 
 
@@ -134,9 +141,10 @@ def correctness(fla_fn) -> tuple[bool, list[str]]:
             xs[5] = xs[5].new_zeros(4, H, K, V).normal_()
         # each new head size costs fla a full autotuning: compare it at D = 128 only.
         impls = [("k3lit", ours)] + ([("fla", fla_fn)] if fla_fn is not None and K == 128 else [])
+        ref = reference(xs, c)
         for impl, fn in impls:
             try:
-                e = errors(fn, xs, c)
+                e = errors(fn, xs, ref, c)
             except Exception as exc:  # noqa: BLE001
                 print(f"{impl} failed on {name}: {exc!r}")
                 if impl == "k3lit":

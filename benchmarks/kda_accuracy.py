@@ -22,17 +22,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.kda import TOL, errors, inputs, load_fla, make_fla, ours  # noqa: E402
+from benchmarks.kda import TOL, errors, inputs, load_fla, make_fla, ours, reference  # noqa: E402
 from benchmarks.results import versions  # noqa: E402
 
 
 def draw(impls: dict, B: int, T: int, H: int, D: int, seed: int) -> dict[str, dict[str, float]]:
     """Errors of every implementation on the inputs and output gradients drawn from ``seed``."""
-    out = {}
-    for name, fn in impls.items():
-        torch.manual_seed(seed)  # the same inputs, and (inside errors) the same dO and dht, for every impl
-        out[name] = errors(fn, inputs(B, T, H, D, D, h0=True))
-    return out
+    torch.manual_seed(seed)
+    xs = inputs(B, T, H, D, D, h0=True)
+    ref = reference(xs)  # one float64 reference, and one dO and dht, for every implementation
+    return {name: errors(fn, xs, ref) for name, fn in impls.items()}
 
 
 def main() -> None:
