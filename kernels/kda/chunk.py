@@ -892,9 +892,8 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``intra_bk``, ``wy_bk``, ``wy_bv``: key / value columns per step of :func:`_intra_fwd` and of :func:`_wy_fwd` or
 #: :func:`_prep_fwd` (None: 64 split, 32 fused; K / V rounded up to a power of two when smaller).
 #: ``fwd_plain_out``: with the plain forward scan, ``"separate"`` forms the output in :func:`_out_fwd` from the stored
-#: states, ``"fused"`` in the scan itself (the per-chunk states and Delta are then stored only for the backward):
-#: without gradients 0.94 -> 0.89 at B2 T8192 H16, but 3.78 -> 4.53 at D256, and the output then differs from the
-#: training forward's in float32 rounding, so not the default.
+#: states, ``"fused"`` in the scan itself (the per-chunk states and Delta are then stored only for the backward),
+#: ``"auto"`` (default) by :func:`_plain_out_fused`: fused where no backward follows.
 #: ``u_dtype``: the dtype U = M Diag(beta) V is stored in between the per-chunk kernels and the forward scan:
 #: ``"float32"``, or ``"work"`` (bf16 for bf16 and fp16 inputs), half U's bytes: 1-4% faster forward (0.63 -> 0.61 at
 #: B8 T2048) for a relative difference of 1.2e-3 from float32 U on o and the gradients, so not the default.
@@ -907,7 +906,7 @@ def _f32_operands(dtype: torch.dtype) -> bool:
 #: ``benchmarks/kda_breakdown.py --sweep`` times alternatives.
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
                     wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, intra_bk=None, wy_bk=None,
-                    wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="separate",
+                    wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="auto",
                     u_dtype="float32", fwd_prep="fused", prep_warps=1, inverse_block=16)
 
 
@@ -1024,6 +1023,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _plain_out_fused(save: bool, K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether the plain forward scan writes the output itself (``TUNING["fwd_plain_out"]``; ``"auto"``: when no
+    backward follows, at K, V <= 128, for bf16 and fp16 inputs). Without a backward the fused output saves
+    :func:`_out_fwd`'s reading back of every per-chunk state, and the scan then stores neither the states nor
+    Delta: forward without gradients 0.697 -> 0.623 ms at B2 T8192 H16 D128, 0.815 -> 0.799 at B1 T16384, 1.591 ->
+    1.569 at B1 T32768 (H200, session 16, ``kda_breakdown.py --sweep``). With a backward to follow the scan must
+    store them anyway and its longer trips cost more than :func:`_out_fwd` (forward+backward 3.26 -> 3.40 ms at B1
+    T16384). Not taken at K or V > 128, where the fused scan needed 255 registers (3.78 -> 4.53 ms at B8 T2048 H32
+    D256, session 9), nor for float32 inputs (untimed)."""
+    mode = TUNING["fwd_plain_out"]
+    if mode == "auto":
+        return not save and max(K, V) <= 128 and dtype != torch.float32
+    return mode == "fused"
+
+
 def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: bool, save: bool = True
                ) -> tuple[bool, int, int, int, int]:
     """``(transposed, BK, BV, num_warps, num_stages)`` of the ``"fwd"`` or ``"bwd"`` scan over ``NH`` = sequences x
@@ -1084,10 +1098,10 @@ def chunk_fwd(
     ``g_min`` given: ``g`` is the gate pre-activation and the kernel forms ``g_min * sigmoid(g + gate_bias)``
     (``gate_bias`` ``[H * K]`` float32 or None). ``qk_l2norm``: q and k are L2-normalised in the kernel and
     ``Rn [2, B, T, H]`` float32 holds their reciprocal norms (else ``Rn`` is empty). ``save=False`` (no backward
-    will follow): M, and where the scan writes the output (transposed, or ``fwd_plain_out="fused"``) the states h
-    and Delta, are not written, and G only at each chunk's last row, so only ``o`` and ``ht`` are valid. Launches
-    run on ``q``'s device, on its current stream and, in pipeline segments (:func:`_segments`), on two side streams
-    joined back before returning."""
+    will follow): M, and where the scan writes the output (transposed, or plain by :func:`_plain_out_fused`) the
+    states h and Delta, are not written, and G only at each chunk's last row, so only ``o`` and ``ht`` are valid.
+    Launches run on ``q``'s device, on its current stream and, in pipeline segments (:func:`_segments`), on two
+    side streams joined back before returning."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1110,13 +1124,15 @@ def chunk_fwd(
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
-    BKo = min(64, _pow2(K))  # _out_fwd's key step
+    # _out_fwd's key step: all keys in one product up to 128, as the scan's own output product (the output is then
+    # bit-identical whether the scan writes it, without a backward to follow, or _out_fwd does)
+    BKo = _pow2(K) if K <= 128 else 64
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
     transposed, BK, BV, nw, ns = _scan_plan("fwd", N * H, K, V, q.device, F32, save)
     meta = dict(H=H, K=K, V=V, C=C, BK=BK, BV=BV, F32=F32, num_warps=nw, num_stages=ns)
-    fused_out = not transposed and TUNING["fwd_plain_out"] == "fused"
+    fused_out = not transposed and _plain_out_fused(save, K, V, q.dtype)
     gmin = g_min if gate else 0.0
     BKi = min(TUNING["intra_bk"] or 64, _pow2(K))
     step = 32 if TUNING["fwd_prep"] == "fused" else 64  # the WY step when TUNING leaves it None

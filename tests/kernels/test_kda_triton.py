@@ -132,20 +132,28 @@ def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
     assert set(blocks) == {("_intra_fwd", 32, None, 4), ("_wy_fwd", 32, 32, 2)}
 
 
+@pytest.mark.gpu  # also on the CPU: the GPU suite runs it for the bit-for-bit check at K = V = 128
 @pytest.mark.parametrize("fused", [False, True])
-def test_inference_forward_equals_training_forward(seed, scan_layout, fused):
-    """Without a backward to follow, the forward skips what only the backward reads (M; the states and Delta on
-    the transposed scan): o and the final state stay bit-identical to those of the forward that saves them."""
+def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layout, fused):
+    """Without a backward to follow, the forward skips what only the backward reads (M; the states and Delta where
+    the scan writes the output: the transposed scan, and the plain one at K, V <= 128, in place of ``_out_fwd``):
+    o and the final state stay bit-identical to those of the forward that saves them. bf16 inputs (float32 ones
+    keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value blocks part masked), 128
+    on the GPU."""
     from k3lit.kernels.kda import kda_triton
 
-    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 24, N=2)
-    cu = torch.tensor([0, 9, 70], device=DEV)
-    kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * 16, device=DEV)) if fused else {}
+    launched = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: name)
+    K, V, T, dtype = (128, 128, 700, torch.bfloat16) if DEV == "cuda" else (80, 72, 70, torch.bfloat16)
+    q, k, v, g, beta, h0 = make_inputs(1, T, 2, K, V, N=2, dtype=dtype)
+    cu = torch.tensor([0, 9, T], device=DEV)
+    kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * K, device=DEV)) if fused else {}
     if fused:
         g = torch.randn_like(g)
     with torch.no_grad():
         o_inf, ht_inf = kda_triton(q, k, v, g, beta, None, h0, True, cu, **kw)
+    assert launched == []
     o, ht = kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
+    assert launched == ([] if scan_layout == "transposed" else ["_out_fwd"])
     assert o.requires_grad
     assert torch.equal(o_inf, o.detach()) and torch.equal(ht_inf, ht.detach())
 
