@@ -137,9 +137,13 @@ def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
 def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layout, fused):
     """Without a backward to follow, the forward skips what only the backward reads (M; the states and Delta where
     the scan writes the output: the transposed scan, and the plain one at K, V <= 128, in place of ``_out_fwd``):
-    o and the final state stay bit-identical to those of the forward that saves them. bf16 inputs (float32 ones
-    keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value blocks part masked), 128
-    on the GPU."""
+    the final state stays bit-identical to that of the forward that saves them, and so does o but on the GPU's
+    plain layout, where the scan's output products and ``_out_fwd``'s (other value blocks, so other tensor-core
+    instructions) sum in another float32 order: there o may differ only where that order flips a bf16 rounding,
+    a relative RMS difference below 1e-4 (bf16's own rounding is 2^-8 = 3.9e-3 relative; o's error against
+    float64 is ~2.4e-3; on the H200 none to 3 of the 179,200 elements differed, relative RMS <= 5e-10). bf16
+    inputs (float32 ones keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value
+    blocks part masked), 128 on the GPU."""
     from k3lit.kernels.kda import kda_triton
 
     launched = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: name)
@@ -155,7 +159,13 @@ def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layou
     o, ht = kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
     assert launched == ([] if scan_layout == "transposed" else ["_out_fwd"])
     assert o.requires_grad
-    assert torch.equal(o_inf, o.detach()) and torch.equal(ht_inf, ht.detach())
+    assert torch.equal(ht_inf, ht.detach())
+    if DEV == "cuda" and scan_layout == "plain":
+        diff = rel_rms(o_inf, o.detach())
+        print(f"o: {(o_inf != o).float().mean():.2e} of the elements differ, relative RMS {diff:.2e}")
+        assert diff < 1e-4
+    else:
+        assert torch.equal(o_inf, o.detach())
 
 
 @pytest.mark.gpu  # also on the CPU: the GPU suite runs it for the bit-for-bit check
@@ -292,6 +302,22 @@ def test_tf32_rounding_is_round_to_nearest_ties_away():
     want = torch.where(finite, torch.sign(xd) * torch.floor(mag / unit + 0.5) * unit, xd)
     want = torch.where(want.abs() > torch.finfo(torch.float32).max, torch.sign(xd) * float("inf"), want)
     assert torch.equal(got, want), (xd[got != want][:8], got[got != want][:8], want[got != want][:8])
+
+
+def test_plain_output_rule(monkeypatch):
+    """``TUNING["fwd_plain_out"] = "auto"``: the plain scan writes the output only without a backward to follow, at
+    K, V <= 128, for bf16 and fp16 inputs; ``"fused"`` and ``"separate"`` are used as given."""
+    from k3lit.kernels.kda import chunk
+
+    rule = chunk._plain_out_fused
+    assert rule(False, 128, 128, torch.bfloat16) and rule(False, 64, 100, torch.float16)
+    assert not rule(True, 128, 128, torch.bfloat16)
+    assert not rule(False, 129, 128, torch.bfloat16) and not rule(False, 128, 256, torch.bfloat16)
+    assert not rule(False, 128, 128, torch.float32)
+    monkeypatch.setitem(chunk.TUNING, "fwd_plain_out", "fused")
+    assert rule(True, 256, 256, torch.float32)
+    monkeypatch.setitem(chunk.TUNING, "fwd_plain_out", "separate")
+    assert not rule(False, 128, 128, torch.bfloat16)
 
 
 def test_pipeline_segments_rule(monkeypatch):
