@@ -135,6 +135,8 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=128, B1 H16 (plain scans, 16-wide forward blocks)": _kda(1, 65536, 16, 128, 128, False, False,
                                                                           scans_only=True),
         "KDA K=V=128, B1 H96 (transposed scans)": _kda(1, 8192, 96, 128, 128, False, False, scans_only=True),
+        "KDA K=V=128, B2 H16, no backward (plain scan writing the output)": _kda(
+            2, 8192, 16, 128, 128, False, False, only=("_scan_fwd",), save=False),
         "KDA K=V=128, no backward, split, u_dtype work": _kda(
             4, 4096, 16, 128, 128, False, False, only=("_intra_fwd", "_wy_fwd"),
             tuning=dict(fwd_prep="split", u_dtype="work"), save=False),

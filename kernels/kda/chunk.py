@@ -1124,9 +1124,10 @@ def chunk_fwd(
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
-    # _out_fwd's key step: all keys in one product up to 128, as the scan's own output product (the output is then
-    # bit-identical whether the scan writes it, without a backward to follow, or _out_fwd does)
-    BKo = _pow2(K) if K <= 128 else 64
+    # _out_fwd's key step: where _plain_out_fused may let the scan write the output (K <= 128, not float32 inputs),
+    # all keys in one product as the scan's own, so that the two sum alike; else 64 (float32 inputs' 3xTF32 products
+    # in one 128-wide step spilled 132 B a thread on triton 3.6, none in 64-wide ones: kernel_resources.py)
+    BKo = _pow2(K) if K <= 128 and q.dtype != torch.float32 else 64
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)
