@@ -1126,7 +1126,8 @@ def chunk_fwd(
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
     # _out_fwd's key step: where _plain_out_fused may let the scan write the output (K <= 128, not float32 inputs),
     # all keys in one product as the scan's own, so that the two sum alike; else 64 (float32 inputs' 3xTF32 products
-    # in one 128-wide step spilled 132 B a thread on triton 3.6, none in 64-wide ones: kernel_resources.py)
+    # in one 128-wide step spill 132 B a thread on triton 3.6 and 216 B on 3.8, none in 64-wide ones, compiled
+    # for sm_90a by kernel_resources.py's launches at K = V = 128)
     BKo = _pow2(K) if K <= 128 and q.dtype != torch.float32 else 64
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
