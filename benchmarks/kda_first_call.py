@@ -16,6 +16,7 @@ share the CPU; fla's get ``--fla-timeout`` seconds each (a step it did not reach
 goes to ``benchmarks/RESULTS.md``, section "KDA first call".
 
     python benchmarks/kda_first_call.py [--no-fla] [--fla-timeout 420] [--json first_call.json]
+    python benchmarks/kda_first_call.py --from-json benchmarks/kda_first_call_h200.json   # the stored H200 run
 
 ``--device cpu`` runs k3lit's kernels under ``TRITON_INTERPRET=1`` at small shapes (the script's own check; the
 times mean nothing there).
@@ -104,6 +105,10 @@ def measure(impls: list[str], device: str, timeouts: dict[str, float]) -> dict:
     return results
 
 
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds >= 10 else f"{seconds:.2f}" if seconds >= 1 else f"{seconds:.3f}"
+
+
 def table(results: dict) -> list[str]:
     """Markdown rows: one per implementation and process, a column per step (``—`` for a step the process did
     not reach)."""
@@ -113,10 +118,24 @@ def table(results: dict) -> list[str]:
     for impl, runs in results.items():
         for run, r in runs.items():
             got = {s["step"]: s for s in r["steps"]}
-            cells = [f"{got[lab]['first_s']:.2f} / {got[lab]['warm_s']:.3f}" if lab in got else "—" for lab in labels]
+            cells = [f"{_s(got[lab]['first_s'])} / {_s(got[lab]['warm_s'])}" if lab in got else "—" for lab in labels]
             note = f" ({r['stopped']})" if r["stopped"] else ""
             lines.append(f"| {impl} | {run}{note} | " + " | ".join(cells) + " |")
     return lines
+
+
+def section(meta: dict, results: dict, steps: list) -> str:
+    """The RESULTS.md section from :func:`measure`'s ``results`` at ``steps`` and ``meta``
+    (:func:`benchmarks.results.versions` of the measuring process, with ``"fla"``, fla's version, where fla ran)."""
+    shapes = ", ".join(f"{lab} B{B} T{T} H{H} D{D}" for lab, B, T, H, D in steps)
+    env = f"{meta['date']} · {meta['device']} · torch {meta['torch']} · triton {meta['triton']}"
+    return "\n".join([
+        f"Written by `benchmarks/kda_first_call.py`. {env}" + (f" · fla-core {meta['fla']}" if "fla" in meta else "")
+        + ".", "",
+        "Wall seconds of one bf16 forward+backward at a shape new to the process (first) and of a second call at it "
+        f"(warm), in this order: {shapes}. `cold`: a new process on an empty TRITON_CACHE_DIR; `cached`: a second "
+        "process on the cache the first one filled. fla: `chunk_kda(safe_gate=True, lower_bound=-5)`, autotuned by "
+        "its own autotuner.", "", *table(results)])
 
 
 def main() -> None:
@@ -127,28 +146,31 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240, help="seconds for each k3lit process")
     ap.add_argument("--fla-timeout", type=float, default=420, help="seconds for each fla process")
     ap.add_argument("--json", help="also write the raw records here")
+    ap.add_argument("--from-json", help="write the section from the records of an earlier run (no timing)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     args = ap.parse_args()
     if args.child:
         child(args.child, args.device)
         return
-    from benchmarks.results import environment, versions, write_section
+    from benchmarks.results import versions, write_section
 
+    if args.from_json:
+        with open(args.from_json) as f:
+            stored = json.load(f)
+        body = section(stored["versions"], stored["results"], stored["steps"])
+        write_section("KDA first call", body, args.results)
+        print(body)
+        return
     impls = ["k3lit"] + ([] if args.no_fla or args.device == "cpu" else ["fla"])
     results = measure(impls, args.device, {"k3lit": args.timeout, "fla": args.fla_timeout})
+    meta = versions() | ({"fla": __import__("fla").__version__} if "fla" in impls else {})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"versions": versions(), "steps": steps_for(args.device), "results": results}, f, indent=1)
-    shapes = ", ".join(f"{lab} B{B} T{T} H{H} D{D}" for lab, B, T, H, D in steps_for(args.device))
-    body = [f"Written by `benchmarks/kda_first_call.py`. {environment()}"
-            + (f", fla-core {__import__('fla').__version__}" if "fla" in impls else "") + ".", "",
-            "Wall seconds of one bf16 forward+backward at a shape new to the process (first) and of a second call "
-            f"at it (warm), in this order: {shapes}. `cold`: a new process on an empty TRITON_CACHE_DIR; `cached`: "
-            "a second process on the cache the first one filled. fla: `chunk_kda(safe_gate=True, lower_bound=-5)`, "
-            "autotuned by its own autotuner.", "", *table(results)]
+            json.dump({"versions": meta, "steps": steps_for(args.device), "results": results}, f, indent=1)
+    body = section(meta, results, steps_for(args.device))
     if args.device == "cuda":
-        write_section("KDA first call", "\n".join(body), args.results)
-    print("\n".join(body))
+        write_section("KDA first call", body, args.results)
+    print(body)
 
 
 if __name__ == "__main__":

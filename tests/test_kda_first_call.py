@@ -26,3 +26,22 @@ def test_first_call_process_out_of_time_is_reported(tmp_path):
     assert steps == [] and stopped == "timed out after 0 s"
     row = table({"k3lit": {"cold": {"steps": steps, "stopped": stopped}}})[2]
     assert row.startswith("| k3lit | cold (timed out") and row.count("—") == 4
+
+
+def test_section_of_the_stored_h200_run():
+    """``--from-json`` renders RESULTS.md's "KDA first call" table from the stored H200 run: one row per
+    implementation and process, ``—`` where fla's first process ran out of time."""
+    import json
+
+    from benchmarks.kda_first_call import section
+
+    with open("benchmarks/kda_first_call_h200.json") as f:
+        stored = json.load(f)
+    text = section(stored["versions"], stored["results"], stored["steps"])
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in text.splitlines()
+            if line.startswith("| k3lit") or line.startswith("| fla")}
+    assert list(rows) == [("k3lit", "cold"), ("k3lit", "cached"), ("fla", "cold (timed out after 240 s)"),
+                          ("fla", "cached")]
+    assert "| 12.8 / 0.027 | 0.003 / 0.003 | 0.003 / 0.003 | 5.16 / 0.002 |" in rows["k3lit", "cold"]
+    assert rows["fla", "cold (timed out after 240 s)"].endswith("| — | — |")
+    assert "fla-core 0.6.0" in text and "NVIDIA H200" in text

@@ -38,6 +38,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("KDA K=V=128, B1 H96 (transposed scans)", n) for n in (*transposed_fwd, "_scan_bwd_t")}
     expected |= {("KDA K=V=128, no backward, split, u_dtype work", n) for n in ("_intra_fwd", "_wy_fwd")}
     expected |= {("KDA K=V=256, plain scan writing the output", "_scan_fwd")}
+    expected |= {("KDA K=V=128, B2 H16, no backward (plain scan writing the output)", "_scan_fwd")}
     expected |= {("KDA K=V=256, B8 H32 (transposed forward scan)", "_scan_fwd_t")}
     expected |= {("KDA K=V=256, B8 H32, no backward (128-wide transposed forward scan)", "_scan_fwd_t")}
     expected |= {("KDA K=V=128, intra and wy in two kernels", n) for n in ("_intra_fwd", "_wy_fwd")}
