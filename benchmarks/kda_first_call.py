@@ -35,6 +35,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.results import environment, versions, write_section  # noqa: E402
+
 #: (label, B, T, H, D) on the GPU; each shape is new to the process when it runs.
 STEPS = [("cold", 2, 4096, 16, 128), ("new T", 2, 4100, 16, 128), ("new B", 3, 4096, 16, 128),
          ("new head size", 2, 4096, 16, 60)]
@@ -128,9 +130,9 @@ def section(meta: dict, results: dict, steps: list) -> str:
     """The RESULTS.md section from :func:`measure`'s ``results`` at ``steps`` and ``meta``
     (:func:`benchmarks.results.versions` of the measuring process, with ``"fla"``, fla's version, where fla ran)."""
     shapes = ", ".join(f"{lab} B{B} T{T} H{H} D{D}" for lab, B, T, H, D in steps)
-    env = f"{meta['date']} · {meta['device']} · torch {meta['torch']} · triton {meta['triton']}"
     return "\n".join([
-        f"Written by `benchmarks/kda_first_call.py`. {env}" + (f" · fla-core {meta['fla']}" if "fla" in meta else "")
+        f"Written by `benchmarks/kda_first_call.py`. {environment(meta)}"
+        + (f" · fla-core {meta['fla']}" if "fla" in meta else "")
         + ".", "",
         "Wall seconds of one bf16 forward+backward at a shape new to the process (first) and of a second call at it "
         f"(warm), in this order: {shapes}. `cold`: a new process on an empty TRITON_CACHE_DIR; `cached`: a second "
@@ -152,8 +154,6 @@ def main() -> None:
     if args.child:
         child(args.child, args.device)
         return
-    from benchmarks.results import versions, write_section
-
     if args.from_json:
         with open(args.from_json) as f:
             stored = json.load(f)

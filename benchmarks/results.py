@@ -28,9 +28,10 @@ def versions() -> dict[str, str]:
             "triton": triton_v}
 
 
-def environment() -> str:
-    """One line naming the date, device, torch and triton versions."""
-    v = versions()
+def environment(v: dict[str, str] | None = None) -> str:
+    """One line naming the date, device, torch and triton versions of :func:`versions` ``v`` (default: this
+    process's)."""
+    v = v or versions()
     return f"{v['date']} · {v['device']} · torch {v['torch']} · triton {v['triton']}"
 
 

@@ -1023,9 +1023,18 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _plain_out_shapes(K: int, V: int, dtype: torch.dtype) -> bool:
+    """Where the plain forward scan may write the output under ``"auto"``: K, V <= 128 and bf16 or fp16 inputs.
+    There :func:`_out_fwd` takes all keys in one product, as the scan does, so that the two sum alike; elsewhere
+    it takes 64-wide key steps (float32 inputs' 3xTF32 products in one 128-wide step spill 132 B a thread on
+    triton 3.6 and 216 B on 3.8, none in 64-wide ones: a one-off compile of kernel_resources.py's K = V = 128
+    launch with BK = 128, not kept)."""
+    return max(K, V) <= 128 and dtype != torch.float32
+
+
 def _plain_out_fused(save: bool, K: int, V: int, dtype: torch.dtype) -> bool:
     """Whether the plain forward scan writes the output itself (``TUNING["fwd_plain_out"]``; ``"auto"``: when no
-    backward follows, at K, V <= 128, for bf16 and fp16 inputs). Without a backward the fused output saves
+    backward follows, at :func:`_plain_out_shapes`). Without a backward the fused output saves
     :func:`_out_fwd`'s reading back of every per-chunk state, and the scan then stores neither the states nor
     Delta: forward without gradients 0.697 -> 0.623 ms at B2 T8192 H16 D128, 0.815 -> 0.799 at B1 T16384, 1.591 ->
     1.569 at B1 T32768 (H200, session 16, ``kda_breakdown.py --sweep``). With a backward to follow the scan must
@@ -1034,7 +1043,7 @@ def _plain_out_fused(save: bool, K: int, V: int, dtype: torch.dtype) -> bool:
     D256, session 9), nor for float32 inputs (untimed)."""
     mode = TUNING["fwd_plain_out"]
     if mode == "auto":
-        return not save and max(K, V) <= 128 and dtype != torch.float32
+        return not save and _plain_out_shapes(K, V, dtype)
     return mode == "fused"
 
 
@@ -1124,11 +1133,7 @@ def chunk_fwd(
     if NC == 0:
         ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn
-    # _out_fwd's key step: where _plain_out_fused may let the scan write the output (K <= 128, not float32 inputs),
-    # all keys in one product as the scan's own, so that the two sum alike; else 64 (float32 inputs' 3xTF32 products
-    # in one 128-wide step spill 132 B a thread on triton 3.6 and 216 B on 3.8, none in 64-wide ones, compiled
-    # for sm_90a by kernel_resources.py's launches at K = V = 128)
-    BKo = _pow2(K) if K <= 128 and q.dtype != torch.float32 else 64
+    BKo = _pow2(K) if _plain_out_shapes(K, V, q.dtype) else 64  # _out_fwd's key step (why: _plain_out_shapes)
     gate = g_min is not None
     bias = _bias(gate_bias, gate, H * K, q.device)
     rnq, rnk = Rn if qk_l2norm else (None, None)

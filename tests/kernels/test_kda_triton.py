@@ -320,6 +320,20 @@ def test_plain_output_rule(monkeypatch):
     assert not rule(False, 128, 128, torch.bfloat16)
 
 
+def test_output_key_step_follows_the_plain_output_shapes(seed, monkeypatch):
+    """``_out_fwd`` takes all keys in one product where the plain scan may write the output instead (K, V <= 128,
+    bf16 or fp16 inputs), so that the two sum alike, and 64-wide key steps elsewhere (float32 inputs' 3xTF32
+    products spill in one 128-wide step; V above 128)."""
+    from k3lit.kernels.kda import kda_triton
+
+    monkeypatch.setitem(chunk.TUNING, "fwd_scan", "plain")
+    steps = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: kw["BK"])
+    for K, V, dtype in ((80, 72, torch.bfloat16), (80, 72, torch.float32), (80, 136, torch.bfloat16)):
+        q, k, v, g, beta, _ = make_inputs(1, 40, 1, K, V, dtype=dtype)
+        kda_triton(q, k, v, g.requires_grad_(), beta, None, None, False, None)
+    assert steps == [128, 64, 64]
+
+
 def test_pipeline_segments_rule(monkeypatch):
     """``TUNING["bwd_segments"] = "auto"``: 4 segments only for a dense batch with B·H <= 16 and at least 512
     chunks a sequence; ``"fwd_segments" = "auto"``: never; one for varlen batches and single chunks; a number given
