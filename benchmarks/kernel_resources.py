@@ -112,7 +112,7 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 
     x = torch.empty(B, T, C, device=META, dtype=torch.bfloat16)
     w = torch.empty(C, 4, device=META)
-    with aot.record_launches(conv, "_fwd", "_bwd") as launches:
+    with aot.record_launches(conv, "_fwd", "_bwd_p", "_bwd_dx") as launches:
         conv.conv_fwd(x, w)
         conv.conv_bwd(x, w, torch.empty_like(x))
     return launches

@@ -7,11 +7,13 @@ Backward, with ``p = dy · silu'(pre)`` and ``silu'(z) = σ(z) (1 + z (1 - σ(z)
     dx[b, s, c] = Σ_j w[c, j] · p[b, s + (W-1) - j, c]      (p = 0 at t >= T)
     dw[c, j]    = Σ_{b, t} p[b, t, c] · x[b, t - (W-1) + j, c]
 
-The forward keeps nothing but its inputs; the backward recomputes ``pre`` for the W shifted positions it needs
-(``W²`` tile loads, all but the first of each served from cache) instead of storing a float32 ``pre``. All sums
-in float32. ``dw`` is reduced per program in registers; the ``[programs, C, W]`` partials are summed in torch
-(deterministic, no atomics). The layout needs no transposes: the projections produce ``[B, T, C]`` and the
-KDA op consumes it.
+The forward keeps nothing but its inputs. The backward runs in two passes: the first recomputes ``pre`` once per
+position, writes ``p`` (float32) and reduces ``dw`` per program in registers; the second forms ``dx`` from ``W``
+shifted reads of ``p``. Recomputing ``pre`` at the ``W`` shifts ``dx`` needs inside one pass would cost ``W²``
+tile loads and ``W`` sigmoids per element: the backward would be bound by instructions, not bytes. All sums in
+float32, in the same order as a one-pass form, so the float32 ``p`` round trip changes no bit. The
+``[programs, C, W]`` partials of ``dw`` are summed in torch (deterministic, no atomics). The layout needs no
+transposes: the projections produce ``[B, T, C]`` and the KDA op consumes it.
 """
 
 from __future__ import annotations
@@ -52,18 +54,9 @@ def _fwd(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.co
 
 
 @triton.jit
-def _dpre(x_ptr, w_ptr, dy_ptr, b, t, c, T, C, W: tl.constexpr):
-    """``dy · silu'(pre)`` at times ``t`` (0 where t >= T), float32."""
-    pre = _pre(x_ptr, w_ptr, b, t, c, T, C, W)
-    m = (t < T)[:, None] & (c < C)[None, :]
-    dy = tl.load(dy_ptr + (b * T + t)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(pre)
-    return dy * sig * (1.0 + pre * (1.0 - sig))
-
-
-@triton.jit
-def _bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-         BIG: tl.constexpr):
+def _bwd_p(x_ptr, w_ptr, dy_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+           BIG: tl.constexpr):
+    """``p = dy · silu'(pre)`` (float32, stored) and this program's ``dw`` partial ``Σ_s p[s] x[s - (W-1) + j]``."""
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
         b = b.to(tl.int64)
@@ -71,19 +64,36 @@ def _bwd(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: t
     c = pc * BC + tl.arange(0, BC)
     cmask = c < C
     m = (s < T)[:, None] & cmask[None, :]
-    dx = tl.zeros((BT, BC), dtype=tl.float32)
-    for j in tl.static_range(W):
-        wj = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
-        dx += wj[None, :] * _dpre(x_ptr, w_ptr, dy_ptr, b, s + (W - 1) - j, c, T, C, W)
-    tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
-    # dw over this program's own times s: p[s] x[s - (W-1) + j]
-    p = _dpre(x_ptr, w_ptr, dy_ptr, b, s, c, T, C, W)
+    pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
+    dy = tl.load(dy_ptr + (b * T + s)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(pre)
+    p = dy * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=m)
     row = (b * tl.num_programs(0) + pt) * C
     for j in tl.static_range(W):
         src = s - (W - 1) + j
         mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
         xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
         tl.store(dw_part_ptr + (row + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
+
+
+@triton.jit
+def _bwd_dx(p_ptr, w_ptr, dx_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
+    """``dx[s] = Σ_j w[j] · p[s + (W-1) - j]`` (p = 0 at t >= T)."""
+    pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if BIG:
+        b = b.to(tl.int64)
+    s = pt * BT + tl.arange(0, BT)
+    c = pc * BC + tl.arange(0, BC)
+    cmask = c < C
+    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(W):
+        wj = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
+        src = s + (W - 1) - j
+        mj = (src < T)[:, None] & cmask[None, :]
+        dx += wj[None, :] * tl.load(p_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0)
+    m = (s < T)[:, None] & cmask[None, :]
+    tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
 def conv_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -100,8 +110,10 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.
     B, T, C = x.shape
     W = w.shape[1]
     nt = triton.cdiv(T, BT)
-    dx = torch.empty_like(x)
+    grid, big = (nt, triton.cdiv(C, BC), B), x.numel() >= 2**31
+    p = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
     dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
-    _bwd[(nt, triton.cdiv(C, BC), B)](x, w, dy, dx, dw_part, T, C, W=W, BT=BT, BC=BC, BIG=x.numel() >= 2**31,
-                                      num_warps=4)
+    _bwd_p[grid](x, w, dy, p, dw_part, T, C, W=W, BT=BT, BC=BC, BIG=big, num_warps=4)
+    dx = torch.empty_like(x)
+    _bwd_dx[grid](p, w, dx, T, C, W=W, BT=BT, BC=BC, BIG=big, num_warps=4)
     return dx, dw_part.sum(0).to(w.dtype)
