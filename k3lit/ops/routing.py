@@ -113,8 +113,10 @@ def quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, *, center: b
         lo = math.floor(pos)
         hi = min(lo + 1, m - 1)
         frac = pos - lo
-        r_lo = required.kthvalue(lo + 1, dim=0).values
-        r_hi = required.kthvalue(hi + 1, dim=0).values if hi != lo else r_lo
+        # one segmented sort of the n contiguous columns: the same order statistics as kthvalue per column,
+        # several times faster on GPUs (kthvalue along a strided dim 0 runs one selection per column)
+        ordered = required.T.contiguous().sort(dim=-1).values  # [n, m]
+        r_lo, r_hi = ordered[:, lo], ordered[:, hi]
         new_bias = r_lo + frac * (r_hi - r_lo)
         if center:
             new_bias = new_bias - new_bias.mean()
