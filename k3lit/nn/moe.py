@@ -4,8 +4,8 @@ Reads top-down: :class:`MoE` (router -> route -> sorted dispatch -> stacked SwiG
 grouped matmul -> float32 combine), then the balancer bookkeeping. The math of the balancers lives in
 :mod:`k3lit.ops.routing` as pure functions; this module only collects their inputs over one optimizer
 step and applies their output. Expert parallelism (experts sharded over ranks, tokens exchanged by
-all-to-all) is switched on by :func:`k3lit.parallel.parallelize` setting :attr:`MoE.ep_group`; with
-``ep_group=None`` the layer is the plain single-process one.
+all-to-all) attaches from outside: :func:`k3lit.parallel.parallelize` sets :attr:`MoE.dispatcher`; with
+``dispatcher=None`` the layer is the plain single-process one.
 
 Balancer life cycle (docs/MATH.md §2):
 
@@ -23,6 +23,7 @@ Balancer life cycle (docs/MATH.md §2):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from torch import nn
 
 from k3lit.nn.mlp import SwiGLU
 from k3lit.ops.grouped_mm import grouped_mm
+from k3lit.ops.permute import dispatch_tokens, sort_slots, undo_sort
 from k3lit.ops.routing import (
     aux_loss,
     capacity_route,
@@ -140,8 +142,9 @@ class MoE(nn.Module):
             (nats, of the normalised scores ``s_i / Σ_j s_ij``).
         process_group: group whose ranks pool their statistics in :meth:`update_balancer` (None: the
             default group when ``torch.distributed`` is initialised).
-        ep_group: expert-parallel group (None: every expert is local). Set by
-            :func:`k3lit.parallel.parallelize` together with sharding :attr:`experts` on dim 0.
+        dispatcher: None (every expert is local) or ``dispatcher(h [m, D], expert_idx [m, k], experts,
+            n_experts) -> [m, k, D]``, which runs each slot wherever its expert lives. Expert parallelism
+            (:func:`k3lit.parallel.parallelize`) sets it together with sharding :attr:`experts` on dim 0.
     """
 
     def __init__(
@@ -184,7 +187,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(dim, n_shared_experts * expert_dim) if n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         self.process_group: dist.ProcessGroup | None = None
-        self.ep_group: dist.ProcessGroup | None = None
+        self.dispatcher: Callable[..., torch.Tensor] | None = None
 
         self.aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
@@ -247,23 +250,19 @@ class MoE(nn.Module):
         """Apply the selected SwiGLU experts: ``h [m, D]``, ``expert_idx [m, k]`` (-1 = dropped) -> ``[m, k, D]``.
 
         The ``m k`` (token, expert) slots are sorted by expert and run through :attr:`experts` (two grouped
-        matmuls over the stacked weights) -- on this rank, or, with :attr:`ep_group`, on the ranks that own
-        them (:func:`k3lit.parallel.dispatch.expert_parallel_apply`); results come back in slot order,
-        zero for dropped slots.
+        matmuls over the stacked weights) -- on this rank (:mod:`k3lit.ops.permute`), or through
+        :attr:`dispatcher` when one is set (expert parallelism: the ranks that own the experts); results come
+        back in slot order, zero for dropped slots.
         """
-        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
-            from k3lit.parallel.dispatch import expert_parallel_apply  # lazy: k3lit.parallel imports the model
-
-            return expert_parallel_apply(h, expert_idx, self.experts, self.n_experts, self.ep_group)
+        if self.dispatcher is not None:
+            return self.dispatcher(h, expert_idx, self.experts, self.n_experts)
         m, k = expert_idx.shape
+        if self.capacity_factor is None:  # every slot kept: the sort is a permutation, undone by gathers
+            order, inverse = sort_slots(expert_idx)
+            offsets = expert_counts(expert_idx, self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
+            ys = self.experts(dispatch_tokens(h, order, inverse, k), offsets)  # [m k, D] by expert
+            return undo_sort(ys, order, inverse).view(m, k, -1)
         flat = expert_idx.reshape(-1)  # [m k]
-        if self.capacity_factor is None:
-            order = flat.argsort(stable=True)  # sorted slot -> original slot
-            offsets = expert_counts(flat, self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
-            ys = self.experts(h[order // k], offsets)  # [m k, D]
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            return ys[inverse].view(m, k, -1)
         flat = torch.where(flat < 0, self.n_experts, flat)  # dropped slots sort last, into no group
         order = flat.argsort(stable=True)
         counts = expert_counts(flat, self.n_experts + 1)[: self.n_experts]

@@ -24,7 +24,7 @@ from torch import nn
 
 from k3lit.ops.routing import expert_counts
 
-__all__ = ["all_to_all", "expert_parallel_apply"]
+__all__ = ["all_to_all", "expert_parallel_apply", "ExpertParallelDispatch"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -98,3 +98,14 @@ def expert_parallel_apply(
     ys = torch.empty_like(ys).index_copy(0, regroup, ys)  # back to (source rank, local expert) order
     ys = all_to_all(ys, send_splits, recv_splits, group)  # [kept, D] in sorted-slot order
     return ys.new_zeros(m * k, ys.shape[-1]).index_copy(0, kept, ys).view(m, k, -1)
+
+
+class ExpertParallelDispatch:
+    """The :attr:`k3lit.nn.MoE.dispatcher` of expert parallelism: :func:`expert_parallel_apply` over ``group``
+    (set by :func:`k3lit.parallel.parallelize` together with sharding the experts on dim 0)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, h: torch.Tensor, expert_idx: torch.Tensor, experts: nn.Module, n_experts: int) -> torch.Tensor:
+        return expert_parallel_apply(h, expert_idx, experts, n_experts, self.group)

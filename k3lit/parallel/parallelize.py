@@ -14,9 +14,9 @@ Order (torchtitan's habit, so composition is predictable):
 1. activation checkpointing -- already part of the model (``ModelConfig.activation_checkpointing``), because
    the block-level policy follows the attention-residual blocks;
 2. expert parallelism -- each MoE's stacked expert weights ``[n, ...]`` become DTensors sharded on dim 0 over
-   the ``expert_parallel`` axis (rank r keeps experts ``[r n/ep, (r+1) n/ep)``) and the MoE gets that axis'
-   process group (``MoE.ep_group``), which switches on the all-to-all dispatch
-   (:mod:`k3lit.parallel.dispatch`);
+   the ``expert_parallel`` axis (rank r keeps experts ``[r n/ep, (r+1) n/ep)``), and the MoE dispatches its
+   tokens by all-to-all over that axis (``MoE.dispatcher = ExpertParallelDispatch(group)``,
+   :mod:`k3lit.parallel.dispatch`);
 3. FSDP2 on the experts -- ``fully_shard(moe.experts)`` over the ``data_parallel`` axis, on the 2-D
    ``(data_parallel_replicate, data_parallel)`` mesh when ``r > 1`` (the expert weights become DTensors on
    ``[data_parallel_replicate x] data_parallel x expert_parallel``), with the local gradient scaled by 1/ep
@@ -47,6 +47,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from k3lit.model import K3LM
 from k3lit.nn.moe import MoE
+from k3lit.parallel.dispatch import ExpertParallelDispatch
 
 REPLICATE, DP, EP = "data_parallel_replicate", "data_parallel", "expert_parallel"
 
@@ -129,7 +130,7 @@ def parallelize(
             for name, p in list(moe.experts.named_parameters(recurse=False)):
                 shard = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
                 setattr(moe.experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
-            moe.ep_group = ep_mesh.get_group()
+            moe.dispatcher = ExpertParallelDispatch(ep_mesh.get_group())
             # An expert's gradient sums the tokens of all ep ranks (all-to-all backward) and FSDP then averages
             # over (r x) dp: scale by 1/ep so it is the mean over all ranks, like the dense gradients. (Not
             # FSDP's set_gradient_divide_factor: its PREMUL_SUM reduce-scatter does not exist on gloo.)

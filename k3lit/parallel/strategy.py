@@ -150,7 +150,7 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         self._setup_distributed()
         assert self.lightning_module is not None
         # expert_parallel_size must divide every MoE's expert count, i.e. their gcd (a K3LM has a single count)
-        counts = [m.n_experts for m in self.lightning_module.modules() if hasattr(m, "ep_group")]
+        counts = [m.n_experts for m in self.lightning_module.modules() if hasattr(m, "dispatcher")]
         shape = mesh_shape(self.world_size, self.data_parallel_replicate_size, self.data_parallel_size,
                            self.expert_parallel_size, n_experts=math.gcd(*counts) if counts else None)
         self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=(REPLICATE, DP, EP))

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import MoE
 from k3lit.parallel import clip_grad_norm_, parallelize, total_grad_norm
+from k3lit.parallel.dispatch import ExpertParallelDispatch
 from k3lit.parallel.parallelize import DP, EP, REPLICATE
 from tests.parallel._dist import peers_equal, run_workers
 
@@ -36,7 +37,7 @@ def _moe_parity(rank: int, world: int, capacity: float | None) -> None:
     for name in ("w_gate_up", "w_down"):
         p = getattr(ep.experts, name)
         setattr(ep.experts, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
-    ep.ep_group = mesh.get_group()
+    ep.dispatcher = ExpertParallelDispatch(mesh.get_group())
 
     x = xs[rank].clone().requires_grad_()
     out = ep(x)
@@ -89,7 +90,7 @@ def _model_parity(rank: int, world: int, shape: tuple[int, ...], ckpt: str) -> N
         with pytest.raises(ValueError, match=rf"n_experts=3 is not divisible by expert_parallel_size={ep}.*data_par"):
             parallelize(odd, mesh)
     parallelize(model, mesh)
-    assert all(m.ep_group is not None for m in model.moe_layers())
+    assert all(isinstance(m.dispatcher, ExpertParallelDispatch) for m in model.moe_layers())
 
     def loss_of(m, i):
         logits = m(i[:, :-1])[0]
