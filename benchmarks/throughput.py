@@ -53,25 +53,79 @@ def plain_baseline(c: ModelConfig) -> ModelConfig:
     return dataclasses.replace(base, mlp_hidden=hidden)
 
 
-def build_model(c: ModelConfig, device: str, compile_: bool) -> K3LM:
-    """``K3LM(c)`` from seed 0 on ``device``; with ``compile_`` every sublayer ``torch.compile``'d, as
-    ``k3lit fit --compile=true`` does."""
+ROWS = ("recipe", "dense", "attention", "plain_residual", "no_balancer", "plain", "litgpt")
+
+
+def rows(c: ModelConfig, stem: str, names: list[str]) -> dict[str, ModelConfig | str]:
+    """The models to time, by row name: the recipe, four one-change ablations of it (dense SwiGLU of the same
+    active width instead of the MoE; softmax attention in every layer; the plain residual; no balancer), the
+    plain transformer of :func:`plain_baseline`, and litgpt's ``GPT`` with the SmolLM2-135M config (the string
+    ``"litgpt"``: built by :func:`build_litgpt`)."""
+    dense = dataclasses.replace(c, n_experts=0, first_dense_layers=0,
+                                mlp_hidden=plain_baseline(dataclasses.replace(c, layer_pattern="K")).mlp_hidden)
+    table = {
+        "recipe": (f"k3lit `{stem}` ({c.layer_pattern}, MoE {c.n_experts}x top-{c.top_k}, {c.residual})", c),
+        "dense": ("same, dense SwiGLU of the same active size instead of MoE", dense),
+        "attention": ("same, softmax attention in every layer", dataclasses.replace(c, layer_pattern="A")),
+        "plain_residual": ("same, plain residual", dataclasses.replace(c, residual="plain")),
+        "no_balancer": ("same, balancer none", dataclasses.replace(c, balancer="none")),
+        "plain": ("plain transformer of the same active size (A, dense SwiGLU, plain residual)", plain_baseline(c)),
+        "litgpt": ("litgpt `GPT`, SmolLM2-135M config", "litgpt"),
+    }
+    unknown = set(names) - set(table)
+    if unknown:
+        raise SystemExit(f"--rows: unknown {sorted(unknown)}; choose from {ROWS}")
+    return dict(table[n] for n in names)
+
+
+COMPILE = ("none", "sublayers", "model")
+
+
+def build_model(c: ModelConfig, device: str, compile_: str | bool) -> K3LM:
+    """``K3LM(c)`` from seed 0 on ``device``; ``compile_``: ``none`` (or False), ``sublayers`` (or True: every
+    sublayer ``torch.compile``'d) or ``model`` (the whole model as one ``torch.compile`` region)."""
     torch.manual_seed(0)
     model = K3LM(c).to(device)
-    if compile_:
+    mode = {False: "none", True: "sublayers"}.get(compile_, compile_)
+    if mode == "sublayers":
         for sub in model.sublayers:
             sub.compile()
+    elif mode == "model":
+        model.compile()
     return model
 
 
-def make_step(model: K3LM, device: str):
+def build_litgpt(device: str, compile_: str, seq: int) -> tuple[torch.nn.Module, int, float]:
+    """litgpt's ``GPT`` with the SmolLM2-135M config (seed 0) -> ``(model, vocab, training FLOPs per token)``,
+    the FLOPs counted as :mod:`k3lit.train.flops` counts them: 6 x the matmul weights (grouped-query q|k|v,
+    output, SwiGLU, LM head) + causal attention ``3 * 4 * heads * head_size * (T + 1) / 2`` per layer."""
+    from litgpt import GPT, Config
+
+    cfg = Config.from_name("SmolLM2-135M", block_size=seq)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if compile_ == "model":
+        model.compile()
+    elif compile_ == "sublayers":
+        for block in model.transformer.h:
+            block.compile()
+    d, hs = cfg.n_embd, cfg.head_size
+    per_layer = d * hs * (cfg.n_head + 2 * cfg.n_query_groups) + cfg.n_head * hs * d + 3 * d * cfg.intermediate_size
+    matmul = cfg.n_layer * per_layer + cfg.padded_vocab_size * d
+    attention = cfg.n_layer * 3.0 * 4 * cfg.n_head * hs * (seq + 1) / 2
+    return model, cfg.padded_vocab_size, 6.0 * matmul + attention
+
+
+def make_step(model: torch.nn.Module, device: str):
     """One optimizer step as ``trainer.precision=bf16-mixed`` runs it: ``step(tokens [B, T+1]) -> loss``."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     amp = torch.autocast(device_type=device, dtype=torch.bfloat16)
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
         with amp:
-            logits = model(tokens[:, :-1])[0]
+            logits = model(tokens[:, :-1])
+        if isinstance(logits, tuple):  # K3LM returns (logits, states)
+            logits = logits[0]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -83,11 +137,18 @@ def make_step(model: K3LM, device: str):
     return step
 
 
-def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: bool) -> dict:
-    model = build_model(c, device, compile_)
+def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: str) -> dict:
+    """Time ``steps`` optimizer steps of model ``c`` (a ModelConfig, or ``"litgpt"``) after ``warmup`` steps on one
+    fixed batch (whose loss must fall)."""
+    if c == "litgpt":
+        model, vocab, flops_per_token = build_litgpt(device, compile_, seq)
+        active = None
+    else:
+        model, vocab = build_model(c, device, compile_), c.vocab_size
+        flops_per_token, active = training_flops(c, batch, seq) / (batch * seq), active_matmul_params(c) / 1e6
     n_params = sum(p.numel() for p in model.parameters())
     step = make_step(model, device)
-    x = torch.randint(0, c.vocab_size, (batch, seq + 1), device=device)
+    x = torch.randint(0, vocab, (batch, seq + 1), device=device)
 
     t0 = time.perf_counter()
     losses = [step(x).item() for _ in range(warmup)]  # the same batch: the loss must fall
@@ -96,7 +157,7 @@ def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
-    batches = [torch.randint(0, c.vocab_size, (batch, seq + 1), device=device) for _ in range(4)]
+    batches = [torch.randint(0, vocab, (batch, seq + 1), device=device) for _ in range(4)]
     t0 = time.perf_counter()
     for i in range(steps):
         last = step(batches[i % 4])
@@ -104,15 +165,14 @@ def bench(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, device:
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    tokens_per_s = batch * seq * steps / elapsed
-    flops = training_flops(c, batch, seq)
+    flops = flops_per_token * batch * seq
     peak = peak_flops(torch.device(device), torch.bfloat16) if device == "cuda" else None
     return {
         "params_M": n_params / 1e6,
-        "active_M": active_matmul_params(c) / 1e6,
-        "gflop_per_token": flops / (batch * seq) / 1e9,
+        "active_M": active,
+        "gflop_per_token": flops_per_token / 1e9,
         "ms_per_step": 1e3 * elapsed / steps,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": batch * seq * steps / elapsed,
         "tflops": flops * steps / elapsed / 1e12,
         "mfu": flops * steps / elapsed / peak if peak else None,
         "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
@@ -193,7 +253,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kda_backend", help="override model.kda_backend (auto = Triton on CUDA)")
-    p.add_argument("--compile", action="store_true", help="torch.compile every sublayer")
+    p.add_argument("--compile", default="none", help=f"comma-separated, each of {COMPILE}: every row with each")
+    p.add_argument("--rows", default="recipe,plain", help=f"comma-separated, each of {ROWS}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from_json", help="only write RESULTS.md's Throughput section from this file")
@@ -210,17 +271,22 @@ def main() -> None:
     if a.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     result = {"recipe": a.recipe, "batch": batch, "seq": seq, "steps": a.steps, "warmup": a.warmup,
-              "compile": a.compile, "kda_backend": cfg.kda_backend, "env": versions(), "rows": {},
-              "note": a.note}
-    models = {f"k3lit `{Path(a.recipe).stem}` ({cfg.layer_pattern}, MoE {cfg.n_experts}x top-{cfg.top_k}, "
-              f"{cfg.residual})": cfg,
-              "plain transformer (A, dense SwiGLU, plain residual)": plain_baseline(cfg)}
-    for name, c in models.items():
-        r = bench(c, batch, seq, a.warmup, a.steps, a.device, a.compile)
-        result["rows"][name] = r
-        print(name, json.dumps(r), flush=True)
-        if a.device == "cuda":
-            torch.cuda.empty_cache()
+              "kda_backend": cfg.kda_backend, "env": versions(), "command": " ".join(["python", *sys.argv]),
+              "rows": {}, "note": a.note}
+    models = rows(cfg, Path(a.recipe).stem, a.rows.split(","))
+    for compile_ in a.compile.split(","):
+        for name, c in models.items():
+            key = f"{name} · compile={compile_}"
+            try:
+                r = bench(c, batch, seq, a.warmup, a.steps, a.device, compile_)
+            except torch.OutOfMemoryError:
+                r = {"oom": True}
+            result["rows"][key] = r
+            print(key, json.dumps(r), flush=True)
+            if a.json:
+                Path(a.json).write_text(json.dumps(result, indent=1))
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
     if a.lightning:
         result["lightning"] = bench_lightning(cfg, batch, seq, a.warmup, a.steps, a.lightning)
         print("lightning.Trainer + K3ThroughputMonitor:", json.dumps(result["lightning"]), flush=True)

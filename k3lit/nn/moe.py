@@ -271,6 +271,7 @@ class MoE(nn.Module):
         return ys.new_zeros(m * k, ys.shape[-1]).index_copy(0, kept, ys).view(m, k, -1)
 
     # ----------------------------------------------------------------------------------------- balancer
+    @torch.compiler.disable  # Python-side bookkeeping (lists, recompute check): runs eagerly under compile
     def _record(
         self,
         scores: torch.Tensor,
