@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from results import environment, write_section  # noqa: E402
+from results import command, environment, write_section  # noqa: E402
 from throughput import build_model  # noqa: E402
 
 from k3lit.model import ModelConfig  # noqa: E402
@@ -128,7 +128,7 @@ def speed_table(rows: list[dict], size: str, compile_: bool, batch: int | None) 
     base = {(r["residual"], r["policy"]): r for r in rows}
     mem_label = "activation MiB" if torch.cuda.is_available() else "peak RSS growth MiB"
     lines = [
-        f"{environment()}; model {size} ({rows[0]['params_m']:.0f}M parameters, pattern "
+        f"{environment()} · {command()}; model {size} ({rows[0]['params_m']:.0f}M parameters, pattern "
         f"{spec['cfg'].layer_pattern}, dense), batch {spec['batch']} × T {spec['seq']}"
         + (", bf16 autocast" if torch.cuda.is_available() else ", float32")
         + (", every sublayer torch.compile'd" if compile_ else ", eager"),
@@ -146,6 +146,9 @@ def speed_table(rows: list[dict], size: str, compile_: bool, batch: int | None) 
             f"| {name} | {r['policy']} | {r['act_mib']:.0f} | {ratio(r['act_mib'], none, 'act_mib', '.2f')} | "
             f"{r['ms']:.1f} | {ratio(r['ms'], none, 'ms', '.2f')} | {ratio(r['ms'], plain, 'ms', '.3f')} |"
         )
+    if any(r["policy"].startswith("block:") for r in rows):
+        lines += ["", "`block:N`: `activation_checkpointing=block` with `checkpoint_blocks=N`, only the first N "
+                  "segments recomputed (`block` recomputes every segment but the last)."]
     return "\n".join(lines)
 
 
@@ -170,7 +173,7 @@ def run_quality(steps: int, seeds: list[int], precision: str = "32-true") -> str
             results.setdefault((residual, block), []).append(val[-1])
             print(residual, block, seed, val[-1], flush=True)
     tokens = steps * 16 * 128
-    lines = [f"{environment()}; tiny recipe at dim 128, 4 layers (8 sublayers), T 128, {steps} steps "
+    lines = [f"{environment()} · {command()}; tiny recipe at dim 128, 4 layers (8 sublayers), T 128, {steps} steps "
              f"({tokens / 1e6:.2f}M tokens), precision {precision}, seeds {seeds}; validation loss (nats/token) "
              "on 40 held-out batches",
              "", "| residual | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
@@ -317,7 +320,8 @@ def mix_phases(counts: list[int], shape: tuple[int, ...], block: int = 4) -> str
 
 def run_mix(shape: tuple[int, ...], counts: list[int], sweep: bool) -> str:
     rows = [r for layout in MIX_LAYOUTS for n in counts for r in mix_case(n, layout, shape)]
-    lines = [f"{environment()}; sources {tuple(shape)}, N sources, output in the first source's dtype", "",
+    lines = [f"{environment()} · {command()}; sources {tuple(shape)}, N sources, output in the first source's "
+             "dtype", "",
              "| layout | N | path | max rel. error vs float64 | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s |"
              " Triton speed-up (fwd+bwd) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

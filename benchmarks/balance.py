@@ -1,6 +1,7 @@
 """Balancing experiment (CPU-sized, seeded): Quantile Balancing vs sign bias vs auxiliary loss vs none.
 
     python benchmarks/balance.py [--steps 1000] [--json out.json] [--only train|router]
+    python benchmarks/balance.py --from-json benchmarks/balance_cpu.json    # the stored run
 
 A. ``train``: the same tiny MoE recipe (softmax-attention layers, 16 experts top-2 in every layer, byte
    tokenizer on the built-in stdlib corpus, seed 1234) trained for ``--steps`` optimizer steps with each
@@ -14,19 +15,27 @@ B. ``router``: a fixed skewed synthetic router (per-expert logit offsets ~ N(0, 
    quantile_hist (1000-bin histogram estimator) and the sign bias (u = 1e-3). Batches are drawn fresh from
    the same router each update; the bias from batch t routes batch t+1. ``settled`` is the mean MaxVio_batch
    over the ``settle`` = 30 updates after the target is first reached (does the balancer stay there?).
+
+The tables go to ``benchmarks/RESULTS.md``, section "Balancing (CPU)".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import tempfile
 import time
 
 import torch
 
-from k3lit.ops.routing import (
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.results import command, write_section  # noqa: E402
+from k3lit.ops.routing import (  # noqa: E402
     expert_load,
     max_violation,
     quantile_bias,
@@ -35,7 +44,10 @@ from k3lit.ops.routing import (
     sign_bias_update,
 )
 
+TITLE = "Balancing (CPU)"
 BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
+NAMES = {"quantile": "quantile (exact pooled)", "quantile_hist": "quantile_hist (1000-bin histogram)",
+         "aux_free": "sign bias (u = 1e-3)", "aux_loss": "aux loss (α = 1e-2)", "none": "none"}
 
 
 # ------------------------------------------------------------------------------------------- A. training
@@ -133,17 +145,62 @@ def router_runs(
     return out
 
 
+def section(run: dict) -> str:
+    """The RESULTS.md section from :func:`main`'s JSON record ``run`` (either part, ``"train"`` or ``"router"``, may
+    be missing: ``--only``)."""
+    threads = run["cpu_threads"]
+    lines = [f"Written by `benchmarks/balance.py`. {run['date']} · CPU, {threads} thread{'s' * (threads != 1)} · "
+             f"torch {run['torch']} · Python {run['python']}. Command: {run['command']} "
+             f"({run['seconds'] / 60:.1f} min)."]
+    if "train" in run:
+        n_layers = len(next(iter(run["train"].values()))["max_vio_global"])
+        lines += ["", f"**A. The same tiny MoE recipe, {run['steps']} steps, each balancer** (2 layers of softmax "
+                  "attention + MoE, 16 experts top-2 in both layers, byte tokenizer on the stdlib corpus, batch 8 x "
+                  "128, AdamW lr 3e-3, seed 1234). Validation loss and MaxVio_global over a 20-batch validation pass "
+                  "(20,480 tokens; the bias is frozen at evaluation). One seed: loss differences of a few hundredths "
+                  "of a nat are noise, not a ranking.", "",
+                  "| balancer | val loss (nats/token) | "
+                  + " | ".join(f"MaxVio_global layer {i}" for i in range(n_layers)) + " | run s |",
+                  "|---|---|" + "---|" * (n_layers + 1)]
+        for bal, r in run["train"].items():
+            lines.append(f"| {NAMES[bal]} | {r['val_loss']:.3f} | "
+                         + " | ".join(f"{v:.2f}" for v in r["max_vio_global"]) + f" | {r['seconds']:.0f} |")
+    if "router" in run:
+        lines += ["", "**B. Skewed synthetic router, updates until MaxVio_batch <= 1.5x the noise floor.** m = 16,384 "
+                  "tokens per batch, k = 8; scores = sigmoid(per-expert offset ~ N(0, 0.5²) + per-token N(0, 1)), a "
+                  "fresh batch every update, the bias of batch t routes batch t+1. Noise floor = mean MaxVio of a "
+                  "uniformly random router (k distinct experts per token) at the same m, n, k. *settled* = mean "
+                  "MaxVio_batch over the 30 updates after the target is first reached.", "",
+                  "| n | noise floor | MaxVio at start | quantile: updates | quantile_hist: updates "
+                  "| sign bias: updates | settled quantile / hist / sign |", "|---|---|---|---|---|---|---|"]
+        for n, r in run["router"].items():
+            methods = ("quantile", "quantile_hist", "sign")
+            lines.append(f"| {n} | {r['noise_floor']:.3f} | {r['quantile']['max_vio_at_start']:.1f} | "
+                         + " | ".join(str(r[m]["updates"]) for m in methods) + " | "
+                         + " / ".join(f"{r[m]['settled_max_vio']:.3f}" for m in methods) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--max-updates", type=int, default=1500)
     ap.add_argument("--only", choices=("train", "router"), default=None)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--from-json", help="write the section from the record of an earlier run (no training)")
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as fh:
+            body = section(json.load(fh))
+        write_section(TITLE, body, a.results)
+        print(body)
+        return
     torch.manual_seed(0)
     torch.set_num_threads(1)  # 2-core CI box: one thread is faster than two under any other load
     out = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-           "cpu_threads": torch.get_num_threads()}
+           "cpu_threads": torch.get_num_threads(), "steps": a.steps,
+           "command": command(None if argv is None else [sys.argv[0], *argv])}
     t0 = time.time()
     if a.only in (None, "router"):
         out["router"] = router_runs(max_updates=a.max_updates)
@@ -155,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
+    write_section(TITLE, section(out), a.results)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ with the compiled candidates in parallel (benchmarks/triton_warm.py; they time n
 process autotunes fla as usual (every candidate timed by fla's own autotuner on the idle GPU) and, fla
 passing ``cache_results``, stores its choices in ``TRITON_CACHE_DIR``. Carrying that folder to the next run
 on the same software skips the autotuning there. Each worker also runs fla once per shape on the GPU: 12 of
-them ran a 140 GB H200 out of memory at the D = 256 shape (its candidates were then compiled, slowly, by the
-timing process); 6 workers ran that shape without trouble. ::
+them run a 140 GB H200 out of memory at the D = 256 shape (its candidates are then compiled, slowly, by the
+timing process); 6 workers run it without trouble. ::
 
     export TRITON_CACHE_DIR=/tmp/tc
     for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker $i/6 & done; wait
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import write_section  # noqa: E402
+from benchmarks.results import command, write_section  # noqa: E402
 from k3lit.kernels.kda import kda_triton  # noqa: E402
 from k3lit.ops.kda import kda_reference  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
@@ -266,7 +266,7 @@ def kda_flops(B, T, H, D, C=64):
 
 
 def target_status(speedups: list[tuple[float, float]]) -> str:
-    """Issue 3's target line: fwd >= 1.5x and fwd+bwd >= 1.25x fla at every shape timed."""
+    """The target line: fwd >= 1.5x and fwd+bwd >= 1.25x fla at every shape timed."""
     fwd = min(s[0] for s in speedups)
     fb = min(s[1] for s in speedups)
     met = fwd >= 1.5 and fb >= 1.25  # a NaN (fla failed) compares False: not met
@@ -293,7 +293,8 @@ def main():
     if args.fused_inputs:
         fla_fn = None if args.no_fla else load_fla()
         head = (f"Date {datetime.date.today()}, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                f"triton {triton.__version__}" + (", fla-core " + __import__("fla").__version__ if fla_fn else ""))
+                f"triton {triton.__version__}" + (", fla-core " + __import__("fla").__version__ if fla_fn else "")
+                + f". Command: {command()}.")
         lines = fused_inputs_table(fla_fn, SHAPES[:2] if args.quick else SHAPES[:6])
         write_section("KDA with fused gate and q/k L2 norm", "\n".join([head, "", *lines]), args.results)
         return
@@ -308,7 +309,7 @@ def main():
     gpu = torch.cuda.get_device_name()
     head = (f"Date {datetime.date.today()}, GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}"
             + (", fla-core " + __import__("fla").__version__ if fla_fn is not None else ", fla not installed")
-            + ". bf16 inputs, g = -5 sigmoid(.) float32, K = V = D.")
+            + f". Command: {command()}. bf16 inputs, g = -5 sigmoid(.) float32, K = V = D.")
     ok, lines = correctness(None if only else fla_run)
     body = [head, "", "Correctness: relative RMS error against the float64 token-by-token reference on the same "
             "bf16 inputs (tolerances: " + ", ".join(f"{n} {t}" for n, t in TOL.items()) + ").", "", *lines, ""]

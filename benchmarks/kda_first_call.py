@@ -1,4 +1,4 @@
-"""KDA first-call time: how long a user waits at a shape the process has not run before (issue 3, deliverable 5).
+"""KDA first-call time: how long a user waits at a shape the process has not run before.
 
 Triton compiles a kernel the first time it meets a new specialisation (new constexprs, or an integer argument
 that changes its divisibility by 16), and a library that autotunes also compiles and times every candidate
@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import environment, versions, write_section  # noqa: E402
+from benchmarks.results import command, environment, versions, write_section  # noqa: E402
 
 #: (label, B, T, H, D) on the GPU; each shape is new to the process when it runs.
 STEPS = [("cold", 2, 4096, 16, 128), ("new T", 2, 4100, 16, 128), ("new B", 3, 4096, 16, 128),
@@ -128,12 +128,13 @@ def table(results: dict) -> list[str]:
 
 def section(meta: dict, results: dict, steps: list) -> str:
     """The RESULTS.md section from :func:`measure`'s ``results`` at ``steps`` and ``meta``
-    (:func:`benchmarks.results.versions` of the measuring process, with ``"fla"``, fla's version, where fla ran)."""
+    (:func:`benchmarks.results.versions` of the measuring process, with ``"fla"``, fla's version, where fla ran, and
+    ``"command"``, its command line)."""
     shapes = ", ".join(f"{lab} B{B} T{T} H{H} D{D}" for lab, B, T, H, D in steps)
     return "\n".join([
         f"Written by `benchmarks/kda_first_call.py`. {environment(meta)}"
         + (f" · fla-core {meta['fla']}" if "fla" in meta else "")
-        + ".", "",
+        + "." + (f" Command: {meta['command']}." if "command" in meta else ""), "",
         "Wall seconds of one bf16 forward+backward at a shape new to the process (first) and of a second call at it "
         f"(warm), in this order: {shapes}. `cold`: a new process on an empty TRITON_CACHE_DIR; `cached`: a second "
         "process on the cache the first one filled. fla: `chunk_kda(safe_gate=True, lower_bound=-5)`, autotuned by "
@@ -163,7 +164,7 @@ def main() -> None:
         return
     impls = ["k3lit"] + ([] if args.no_fla or args.device == "cpu" else ["fla"])
     results = measure(impls, args.device, {"k3lit": args.timeout, "fla": args.fla_timeout})
-    meta = versions() | ({"fla": __import__("fla").__version__} if "fla" in impls else {})
+    meta = versions() | {"command": command()} | ({"fla": __import__("fla").__version__} if "fla" in impls else {})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"versions": meta, "steps": steps_for(args.device), "results": results}, f, indent=1)

@@ -119,7 +119,7 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 
 
 def configs() -> dict[str, list[aot.Launch]]:
-    """Benchmark shapes (bf16 unless named): KDA at issue 3's B4·T4096·H16·K128 (plain inputs, and with the gate
+    """Benchmark shapes (bf16 unless named): KDA at B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
     shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape), and
     the forward alternatives of ``chunk.TUNING`` that change kernels;

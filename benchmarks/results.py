@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import platform
 import re
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -35,9 +37,18 @@ def environment(v: dict[str, str] | None = None) -> str:
     return f"{v['date']} · {v['device']} · torch {v['torch']} · triton {v['triton']}"
 
 
+def command(argv: list[str] | None = None) -> str:
+    """The command line that ran this process (``argv``: default ``sys.argv``), as ``python benchmarks/x.py ...``
+    in backquotes, for a section to say how it is reproduced."""
+    argv = sys.argv if argv is None else argv
+    script = Path(argv[0])
+    name = f"benchmarks/{script.name}" if script.parent.name == "benchmarks" else str(script)
+    return "`" + shlex.join(["python", name, *argv[1:]]) + "`"
+
+
 def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     """Replace (or append) the ``## title`` section of ``path`` (default RESULTS.md) with ``body``."""
-    header = "# Benchmark results\n\nEvery table is written by the script named in its section.\n"
+    header = "# Benchmark results\n\nEach section is written by the script it names.\n"
     path = Path(path)
     text = path.read_text() if path.exists() else header
     section = f"## {title}\n\n{body.strip()}\n\n"

@@ -384,10 +384,9 @@ def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block)
     a fixed tolerance; and since on such draws the summation order alone moves float32's error ~10x (the same
     model on the H200 and on the CPU: 1.7e-5 and 1.6e-4 at K3LIT_SEED=1414577424, block 3), the yardstick is the
     median of five float32 runs (:func:`float32_pytorch_errors`: GPU, CPU and three neighbouring models, each
-    against its own reference), not one run (``benchmarks/f32_model_probe.py`` prints them all, and splits the
-    kernels' error between KDA and AttnRes). The kernels' error may be up to 3x that on at least three of five
-    draws (models and batches from ``seed``, ``seed + 1``, ...), which a kernel that is less accurate on most
-    inputs still fails."""
+    against its own reference), not one run (docs/DECISIONS.md). The kernels' error may be up to 3x that on at
+    least three of five draws (models and batches from ``seed``, ``seed + 1``, ...), which a kernel that is less
+    accurate on most inputs still fails."""
     cfg = dict(residual=residual, attnres_block_size=block, n_layers=6, dim=96, n_experts=0)
     errors = []  # per draw: (kernels' loss error, float32's, kernels' gradient error, float32's)
     for draw in range(5):

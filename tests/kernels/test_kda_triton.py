@@ -120,8 +120,8 @@ def test_forward_backward_matches_reference(seed, scan_layout, B, T, H, K, V):
 
 
 def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
-    """The 32-wide key / value steps of the split forward's per-chunk kernels (``chunk.TUNING`` alternatives that
-    ``kda_breakdown.py --sweep`` times), at K and V that span more than one step and are not multiples of it."""
+    """The 32-wide key / value steps of the split forward's per-chunk kernels (``chunk.TUNING`` alternatives), at K
+    and V that span more than one step and are not multiples of it."""
     from k3lit.kernels.kda import chunk
 
     for key, value in dict(fwd_prep="split", intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
@@ -519,7 +519,7 @@ def test_errors():
     "which,NH,K,expect",
     [
         ("fwd", 64, 128, (True, 64)),  # enough programs for 64-wide transposed blocks
-        ("fwd", 256, 256, (True, 64)),  # K = 256 too (session 13: 2.74 against 3.29 ms at B8 H32); 128-wide unsaved
+        ("fwd", 256, 256, (True, 64)),  # K = 256 too (2.74 against 3.29 ms at B8 H32); 128-wide unsaved
         ("fwd", 32, 128, (False, 32)),  # 32 x 8 = 256 programs at 16-wide blocks would share SMs
         ("fwd", 16, 128, (False, 16)),  # 16 x 8 = 128 programs < 132 SMs even 16-wide: narrower blocks
         ("bwd", 64, 128, (False, 32)),
@@ -762,8 +762,7 @@ def test_gpu_float32_inputs_reach_float32_accuracy(seed, scan_layout):
 def test_gpu_float32_inputs_at_k256_with_many_heads(seed):
     """float32 inputs at K = V = 256 over 96 sequence-heads, where ``chunk._scan_plan`` would pick the transposed
     scans for bf16: they, and the plain scans in 3 pipeline stages, need more shared memory than an H200 block has
-    (kernel_resources.py); the plain scans in 2 stages launch and reach float32 accuracy (passed on the H200 in
-    session 14)."""
+    (kernel_resources.py); the plain scans in 2 stages launch and reach float32 accuracy."""
     assert_errors(run_both(make_inputs(1, 100, 96, 256, 256, dtype=torch.float32, device="cuda")), TOL_F32)
 
 
@@ -881,8 +880,8 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
                                      dict(inverse_block=8)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
-    """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
-    within docs/MATH.md's tolerances (K = V = 256 for the plain scan's fused output, else 128)."""
+    """The forward alternatives of ``chunk.TUNING``, at bf16 within docs/MATH.md's tolerances (K = V = 256 for the
+    plain scan's fused output, else 128)."""
     from k3lit.kernels.kda import chunk
 
     for key, value in variant.items():

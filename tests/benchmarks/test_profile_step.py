@@ -4,7 +4,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import profile_step  # noqa: E402
 
 from k3lit.model import ModelConfig  # noqa: E402

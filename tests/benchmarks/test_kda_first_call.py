@@ -3,6 +3,10 @@ CPU (k3lit's kernels under the interpreter), and a process that runs out of time
 
 from __future__ import annotations
 
+from pathlib import Path
+
+STORED = Path(__file__).parents[2] / "benchmarks" / "kda_first_call_h200.json"
+
 
 def test_first_call_processes_report_every_step():
     from benchmarks.kda_first_call import CPU_STEPS, STEPS, measure, table
@@ -35,7 +39,7 @@ def test_section_of_the_stored_h200_run():
 
     from benchmarks.kda_first_call import section
 
-    with open("benchmarks/kda_first_call_h200.json") as f:
+    with open(STORED) as f:
         stored = json.load(f)
     text = section(stored["versions"], stored["results"], stored["steps"])
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in text.splitlines()

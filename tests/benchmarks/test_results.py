@@ -1,0 +1,63 @@
+"""benchmarks/results.py, and RESULTS.md against the scripts and stored runs it names."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from benchmarks import balance, kda_accuracy, kda_first_call, moe
+from benchmarks.results import command, write_section
+
+ROOT = Path(__file__).parents[2]
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+
+
+def sections(text: str) -> dict[str, str]:
+    """``{title: body}`` of every ``## title`` section of a RESULTS.md text."""
+    return {m[1]: m[2].strip() for m in re.finditer(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.S | re.M)}
+
+
+def test_write_section_replaces_its_own_section_only(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    write_section("A", "first a", path)
+    write_section("B", "first b", path)
+    write_section("A", "second a\n\n| x |", path)
+    text = path.read_text()
+    assert text.startswith("# Benchmark results\n")
+    assert sections(text) == {"A": "second a\n\n| x |", "B": "first b"}
+    assert text.index("## A") < text.index("## B")
+
+
+def test_command_names_the_script_from_the_repository_root():
+    argv = [str(ROOT / "benchmarks" / "moe.py"), "--json", "a b.json"]
+    assert command(argv) == "`python benchmarks/moe.py --json 'a b.json'`"
+
+
+def test_stored_runs_render_their_sections():
+    """Each section built from a stored run is what its script's ``--from-json`` writes from that file, so a figure
+    in RESULTS.md is the stored run's."""
+    have = sections(RESULTS.read_text())
+
+    def load(name: str) -> dict:
+        return json.loads((ROOT / "benchmarks" / name).read_text())
+
+    fc = load("kda_first_call_h200.json")
+    stored = {
+        "KDA first call": kda_first_call.section(fc["versions"], fc["results"], fc["steps"]),
+        kda_accuracy.TITLE: kda_accuracy.section(load("kda_accuracy_h200.json")),
+        moe.TITLE: moe.section(load("moe_h200.json")),
+        balance.TITLE: balance.section(load("balance_cpu.json")),
+    }
+    for title, body in stored.items():
+        assert have[title] == body.strip(), title
+
+
+def test_named_benchmark_files_exist():
+    """Every ``benchmarks/<file>`` that the README, the docs, RESULTS.md and the GPU suite name exists."""
+    texts = [ROOT / "README.md", RESULTS, ROOT / "benchmarks" / "gpu_suite.sh", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {m for path in texts for m in re.findall(r"benchmarks/([\w.]+\.(?:py|json|sh))", path.read_text())}
+    named |= set(re.findall(r"python benchmarks/(\w+\.py)", (ROOT / "benchmarks" / "gpu_suite.sh").read_text()))
+    assert {"kda.py", "gpu_suite.sh"} <= named
+    missing = sorted(n for n in named if not (ROOT / "benchmarks" / n).exists())
+    assert not missing, missing
