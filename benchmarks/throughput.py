@@ -209,36 +209,45 @@ def bench_lightning(c: ModelConfig, batch: int, seq: int, warmup: int, steps: in
             "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
+def _cells(r: dict | None) -> str:
+    if not r:
+        return "- | -"
+    if r.get("oom"):
+        return "out of memory | -"
+    if not r["correct"]:
+        return f"loss {r['loss_first_last']} did not fall | -"
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    return f"{r['ms_per_step']:.1f} | {mfu}"
+
+
 def table(result: dict) -> str:
-    env, rows = result["env"], result["rows"]
+    """RESULTS.md's Throughput section: one row per model, ms/step and MFU per compile setting."""
+    env, modes = result["env"], result["compile"]
     lines = [
         f"Written by `benchmarks/throughput.py`. Date {env['date']}, {env['device']}, torch {env['torch']}, "
-        f"triton {env['triton']}. Recipe `{result['recipe']}`, batch {result['batch']} x {result['seq']} tokens, "
-        f"bf16 autocast with float32 weights (= `precision: bf16-mixed`), fused AdamW, synthetic tokens, "
-        f"{result['steps']} timed steps after {result['warmup']} warm-up steps, compile={result['compile']}, "
-        f"KDA backend `{result['kda_backend']}`. MFU = model FLOPs (`k3lit/train/flops.py`) / the device's dense "
-        "bf16 peak (`peak_flops`, datasheet: 989.4 TFLOP/s for H100/H200).",
+        f"triton {env['triton']}; `{result.get('command', '')}`. Every row in one process: batch {result['batch']} x "
+        f"{result['seq']} tokens of the recipe `{result['recipe']}` (other recipes: their own batch), bf16 autocast "
+        "with float32 weights (= `precision: bf16-mixed`), fused AdamW, clipping, balancer update, synthetic tokens, "
+        f"{result['steps']} timed steps after {result['warmup']} warm-up steps. compile: `none` eager, `sublayers` "
+        "`torch.compile` per sublayer (`k3lit fit --compile=true`), `model` the whole model as one region. MFU = "
+        "model FLOPs (`k3lit/train/flops.py`) / dense bf16 peak (989.4 TFLOP/s).",
         "",
-        "| model | params (M) | active matmul params (M) | GFLOP/token (train) | ms/step | tokens/s | TFLOP/s "
-        "| MFU | peak memory (GiB) | loss falls |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params (M) | active (M) | GFLOP/token | " + " | ".join(f"ms/step {m} | MFU {m}" for m in modes)
+        + " | peak memory (GiB) |",
+        "|---|---|---|---|" + "---|---|" * len(modes) + "---|",
     ]
-    for name, r in rows.items():
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        mem = f"{r['peak_mem_GiB']:.1f}" if r.get("peak_mem_GiB") else "-"
-        if not r["correct"]:
-            lines.append(f"| {name} | {r['params_M']:.1f} | {r['active_M']:.1f} | - | - | not reported: loss "
-                         f"{r['loss_first_last']} did not fall | - | - | - | no |")
-            continue
-        lines.append(f"| {name} | {r['params_M']:.1f} | {r['active_M']:.1f} | {r['gflop_per_token']:.3f} | "
-                     f"{r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} | yes |")
+    for name, by_mode in result["rows"].items():
+        any_r = next((r for r in by_mode.values() if r.get("params_M")), {})
+        active = f"{any_r['active_M']:.1f}" if any_r.get("active_M") else "-"
+        mem = max((r.get("peak_mem_GiB") or 0 for r in by_mode.values()), default=0)
+        lines.append(f"| {name} | {any_r.get('params_M', 0):.1f} | {active} | {any_r.get('gflop_per_token', 0):.3f} | "
+                     + " | ".join(_cells(by_mode.get(m)) for m in modes) + f" | {mem:.1f} |")
     if result.get("lightning"):
         r = result["lightning"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        mem = f", peak memory {r['peak_mem_GiB']:.1f} GiB" if r.get("peak_mem_GiB") else ""
         lines += ["", f"The recipe's model trained through `lightning.Trainer` (K3LitModule, `precision=bf16-mixed`, "
                       f"same batch, random tokens), as logged by `K3ThroughputMonitor` over the last "
-                      f"{result['steps']} steps: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}{mem}."]
+                      f"{result['steps']} steps: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}."]
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines)
@@ -255,6 +264,7 @@ def main() -> None:
     p.add_argument("--kda_backend", help="override model.kda_backend (auto = Triton on CUDA)")
     p.add_argument("--compile", default="none", help=f"comma-separated, each of {COMPILE}: every row with each")
     p.add_argument("--rows", default="recipe,plain", help=f"comma-separated, each of {ROWS}")
+    p.add_argument("--extra_recipe", nargs="*", default=[], help="more recipes, each timed at its own batch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from_json", help="only write RESULTS.md's Throughput section from this file")
@@ -273,16 +283,20 @@ def main() -> None:
     result = {"recipe": a.recipe, "batch": batch, "seq": seq, "steps": a.steps, "warmup": a.warmup,
               "kda_backend": cfg.kda_backend, "env": versions(), "command": " ".join(["python", *sys.argv]),
               "rows": {}, "note": a.note}
-    models = rows(cfg, Path(a.recipe).stem, a.rows.split(","))
-    for compile_ in a.compile.split(","):
-        for name, c in models.items():
-            key = f"{name} · compile={compile_}"
+    jobs = [(name, c, batch, seq) for name, c in rows(cfg, Path(a.recipe).stem, a.rows.split(",")).items()]
+    for extra in a.extra_recipe:
+        c, d = recipe_config(Path(extra), None)
+        jobs.append((f"k3lit `{Path(extra).stem}` ({c.layer_pattern}, MoE {c.n_experts}x top-{c.top_k}, {c.residual}; "
+                     f"batch {d['batch_size']} x {d['seq_len']})", c, int(d["batch_size"]), int(d["seq_len"])))
+    result["compile"] = a.compile.split(",")
+    for compile_ in result["compile"]:
+        for name, c, b, t in jobs:
             try:
-                r = bench(c, batch, seq, a.warmup, a.steps, a.device, compile_)
+                r = bench(c, b, t, a.warmup, a.steps, a.device, compile_)
             except torch.OutOfMemoryError:
                 r = {"oom": True}
-            result["rows"][key] = r
-            print(key, json.dumps(r), flush=True)
+            result["rows"].setdefault(name, {})[compile_] = r
+            print(name, compile_, json.dumps(r), flush=True)
             if a.json:
                 Path(a.json).write_text(json.dumps(result, indent=1))
             if a.device == "cuda":
