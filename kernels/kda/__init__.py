@@ -17,7 +17,7 @@ import torch
 
 from k3lit.kernels.kda.chunk import _work_dtype, chunk_bwd, chunk_fwd, max_chunks
 from k3lit.kernels.kda.fused_recurrent import fused_recurrent_fwd
-from k3lit.ops.kda.validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
+from k3lit.kernels.kda_validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 
 _Opt = torch.Tensor | None
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from k3lit.kernels import runs_on
+from k3lit.kernels.kda_validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 from k3lit.ops.kda.chunk import kda_chunk
 from k3lit.ops.kda.gate import bounded_log_decay, softplus_log_decay
 from k3lit.ops.kda.reference import kda_reference
-from k3lit.ops.kda.validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 
 BACKENDS = ("auto", "torch", "reference", "triton")
 

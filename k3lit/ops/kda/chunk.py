@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lit.ops.kda.validate import rebase_row, split_varlen
+from k3lit.kernels.kda_validate import rebase_row, split_varlen
 
 
 def _pad_time(x: torch.Tensor, total: int) -> torch.Tensor:
