@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kda import bench, inputs, load_fla, make_fla, ours  # noqa: E402
-from k3lit.kernels.kda import chunk  # noqa: E402
+from k3lit.kernels.kda import chunk_fwd as chunk  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
 #: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kda import bench, inputs, ours  # noqa: E402
-from k3lit.kernels.kda import chunk  # noqa: E402
+from k3lit.kernels.kda import chunk_fwd as chunk  # noqa: E402
 
 
 def host_ms(fn, n: int = 50) -> float:

@@ -86,7 +86,7 @@ def disassemble(cubin: bytes) -> list[tuple[str, int | None, str | None]]:
 def python_loops(trips: dict[str, int]) -> dict[str, tuple[int, int, int]]:
     """``{name: (first line, last line, trips)}`` of the Python loops of chunk.py that ``_prep_fwd`` runs: the
     ``n``-th ``for`` of a function is named ``function#n``, and ``trips`` gives each name's trip count."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     tree = ast.parse(inspect.getsource(chunk))
     found = {}

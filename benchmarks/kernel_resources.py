@@ -45,7 +45,8 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
     ``tuning``: with these ``chunk.TUNING`` settings; ``save=False``: the forward without a backward to follow (the
     backward's launches are still recorded, on what it would read)."""
-    from k3lit.kernels.kda import chunk, fused_recurrent
+    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import fused_recurrent
 
     if tuning:
         saved = dict(chunk.TUNING)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def test_sweep_entries_name_real_launch_settings():
     from benchmarks.kda_breakdown import BIT_IDENTICAL, SWEEP, VARIANT_GROUPS
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     assert all(set(group) <= set(SWEEP) for group in VARIANT_GROUPS.values()) and BIT_IDENTICAL <= set(chunk.TUNING)
     for label, update in SWEEP.items():

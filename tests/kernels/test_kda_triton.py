@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3lit.kernels.kda import chunk
+from k3lit.kernels.kda import chunk_fwd as chunk
 from k3lit.ops.kda import kda, kda_reference
 from k3lit.testing import rel_rms
 
@@ -73,7 +73,7 @@ def run_both(inputs, cu_seqlens=None, g_min=-5.0, use_h0=True, fn=None):
 @pytest.fixture(params=["plain", "transposed"])
 def scan_layout(request, monkeypatch):
     """Run the test with each state layout of the two scans (``chunk.TUNING``; by default picked per shape)."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     monkeypatch.setitem(chunk.TUNING, "fwd_scan", request.param)
     monkeypatch.setitem(chunk.TUNING, "bwd_scan", request.param)
@@ -122,7 +122,7 @@ def test_forward_backward_matches_reference(seed, scan_layout, B, T, H, K, V):
 def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
     """The 32-wide key / value steps of the split forward's per-chunk kernels (``chunk.TUNING`` alternatives that
     ``kda_breakdown.py --sweep`` times), at K and V that span more than one step and are not multiples of it."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     for key, value in dict(fwd_prep="split", intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
         monkeypatch.setitem(chunk.TUNING, key, value)
@@ -201,7 +201,8 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
     GPU each segment's scan runs on a side stream beside the per-chunk kernels of another segment) give bit-identical
     outputs, final state and gradients: the state and its gradient cross each segment boundary in float32. B = 2
     sequences of 5 chunks (T = 150)."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import kda_triton
 
     table, segs = chunk._segment_table(2, 5, segments, torch.device(DEV))
     assert list(segs) == expect  # (table rows, chunk range); 9 asked of 5 chunks: 5 segments
@@ -245,7 +246,7 @@ def test_blocked_inverse(seed, monkeypatch, block, collinear):
     near-collinear keys (M badly conditioned), on a varlen batch with a partial chunk and K = 40; with the fused
     prep and with the split kernels (``_wy_fwd``). Every other test runs the default, 16; 32 is the plain
     substitution (no doubling), 2 and 8 double four and two times."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     monkeypatch.setitem(chunk.TUNING, "inverse_block", block)
     cu = torch.tensor([0, 9, 80], device=DEV)
@@ -307,7 +308,7 @@ def test_tf32_rounding_is_round_to_nearest_ties_away():
 def test_plain_output_rule(monkeypatch):
     """``TUNING["fwd_plain_out"] = "auto"``: the plain scan writes the output only without a backward to follow, at
     K, V <= 128, for bf16 and fp16 inputs; ``"fused"`` and ``"separate"`` are used as given."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     rule = chunk._plain_out_fused
     assert rule(False, 128, 128, torch.bfloat16) and rule(False, 64, 100, torch.float16)
@@ -338,7 +339,7 @@ def test_pipeline_segments_rule(monkeypatch):
     """``TUNING["bwd_segments"] = "auto"``: 4 segments only for a dense batch with B·H <= 16 and at least 512
     chunks a sequence; ``"fwd_segments" = "auto"``: never; one for varlen batches and single chunks; a number given
     in TUNING is used as given."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     seg = chunk._segments
     assert [seg("bwd", 1, 16, T, 32, None) for T in (8192, 16384, 32768)] == [1, 4, 4]
@@ -354,7 +355,8 @@ def test_pipeline_segments_rule(monkeypatch):
 def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     """The plain forward scan writing the output itself (``TUNING["fwd_plain_out"] = "fused"``), with a backward
     to follow (it then also stores the states and Delta) and without, at K and V above one 64-wide block."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import kda_triton
 
     for key, value in dict(fwd_scan="plain", fwd_plain_out="fused", fwd_segments=segments).items():
         monkeypatch.setitem(chunk.TUNING, key, value)
@@ -375,7 +377,8 @@ def test_forward_w_from_stored_kg(seed, monkeypatch, variant, fused):
     V = 16: the blocked loops and their masks), with the fused gate's e and bias and the fused L2 norm too; with no
     backward to follow, only each chunk's last row of G is stored. Against the reference with and without a
     backward (varlen, a partial last chunk), and only those rows written without one."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import kda_triton
 
     for key, value in variant.items():
         monkeypatch.setitem(chunk.TUNING, key, value)
@@ -401,7 +404,7 @@ def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout,
     """``chunk_fwd(save=False)`` leaves M unwritten (NaN: every buffer starts NaN here; split, Mi keeps L, zero on
     the diagonal, where M has ones) and, on the transposed scan, the per-chunk states and Delta; with ``save`` all
     are written. The plain scan's output kernel reads the states, so it writes them either way."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     monkeypatch.setitem(chunk.TUNING, "fwd_prep", prep)
     q, k, v, g, beta, _ = make_inputs(1, 70, 2, 16, 24)
@@ -530,7 +533,7 @@ def test_scan_plan_rule(which, NH, K, expect):
     """The launch rule documented in kernels/kda/README.md ("Compile time / tuning") and chunk._scan_plan; with
     float32 operands at K = 256 always the plain state, in 2 pipeline stages (the shared memory of the transposed
     state, and of 3 stages, exceeds the H200's: test_sm90_compile.py)."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     transposed, BK, BV, _, stages = chunk._scan_plan(which, NH, K, 128, torch.device("meta"), False)
     assert (transposed, BV) == expect and BK == K and stages == 3
@@ -809,7 +812,7 @@ def test_gpu_fused_gate_and_l2norm(seed, K):
 def test_gpu_dense_metadata_first_built_in_a_graph_capture(seed):
     """Chunk metadata made while a CUDA graph is captured holds its values only when the graph replays; an eager
     call of the same shape after the capture must not be handed those tensors (it gets ones built eagerly)."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     dev = torch.device("cuda", torch.cuda.current_device())
     B, T, C = 3, 203, 32  # a shape no other test uses: the capture builds the first copy
@@ -834,7 +837,8 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
     """On CUDA each pipeline segment's scan runs on a side stream: a missing wait between the streams would show
     as a result that differs from the one-pass forward (bit-identical otherwise), in eager calls and in a CUDA
     graph that captured the streams (replayed on fresh inputs); likewise the backward's gradients."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import kda_triton
 
     inputs = make_inputs(2, 4000, 4, 128, 128, dtype=torch.bfloat16, device="cuda")  # 125 chunks per sequence
     fresh = make_inputs(2, 4000, 4, 128, 128, dtype=torch.bfloat16, device="cuda")
@@ -883,7 +887,7 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
     """The forward alternatives of ``chunk.TUNING`` that ``kda_breakdown.py --variants forward`` times, at bf16
     within docs/MATH.md's tolerances (K = V = 256 for the plain scan's fused output, else 128)."""
-    from k3lit.kernels.kda import chunk
+    from k3lit.kernels.kda import chunk_fwd as chunk
 
     for key, value in variant.items():
         monkeypatch.setitem(chunk.TUNING, key, value)
