@@ -3,7 +3,7 @@
 ``benchmarks/kda.py`` times whole calls; this script splits them. For each shape it runs ours (and fla
 ``chunk_kda(safe_gate=True, lower_bound=-5)`` with ``--fla``) under ``torch.profiler`` and sums every device
 kernel's time per call (CUPTI kernel durations: the profiler's host overhead does not enter them), forward and
-forward+backward. ``--sweep`` times the alternatives of ``k3lit.kernels.kda.chunk.TUNING`` (scan layout, value
+forward+backward. ``--sweep`` times the alternatives of ``k3lit.kernels.kda.plan.TUNING`` (scan layout, value
 block, warps) with ``triton.testing.do_bench``, each checked against the default first.
 
     python benchmarks/kda_breakdown.py --shapes 1x65536x16x128 8x2048x16x128 [--fla] [--sweep] [--json out.json]
@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kda import bench, inputs, load_fla, make_fla, ours  # noqa: E402
-from k3lit.kernels.kda import chunk_fwd as chunk  # noqa: E402
+from k3lit.kernels.kda import plan  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
-#: Alternatives of chunk.TUNING timed by --sweep (each a partial update of the defaults).
+#: Alternatives of plan.TUNING timed by --sweep (each a partial update of the defaults).
 SWEEP = {
     "default": {},
     "fwd plain": dict(fwd_scan="plain"),
@@ -147,7 +147,7 @@ def breakdown(name: str, fn, shp, report: dict) -> None:
 
 
 def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: str | None = None) -> None:
-    defaults = dict(chunk.TUNING)
+    defaults = dict(plan.TUNING)
     unknown = set(variants or ()) - set(SWEEP)
     if unknown:
         sys.exit(f"unknown --variants {sorted(unknown)}; known: {list(SWEEP)}")
@@ -158,8 +158,8 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
         for label, upd in SWEEP.items():
             if variants and label not in variants and label != "default":
                 continue
-            chunk.TUNING.clear()
-            chunk.TUNING.update(defaults, **upd)
+            plan.TUNING.clear()
+            plan.TUNING.update(defaults, **upd)
             try:
                 o, _ = ours(*xs)
                 grads = torch.autograd.grad(o, xs, do)
@@ -189,8 +189,8 @@ def sweep(shapes, report: dict, variants: list[str] | None = None, json_path: st
         if json_path:
             with open(json_path, "w") as fh:
                 json.dump(report, fh, indent=1)
-    chunk.TUNING.clear()
-    chunk.TUNING.update(defaults)
+    plan.TUNING.clear()
+    plan.TUNING.update(defaults)
 
 
 def table(paths: list[str]) -> str:
@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", type=shape, default=[(1, 65536, 16, 128), (8, 2048, 16, 128)],
                     metavar="BxTxHxD", help="shapes, K = V = D (default: 1x65536x16x128 8x2048x16x128)")
     ap.add_argument("--fla", action="store_true", help="also break down fla's chunk_kda")
-    ap.add_argument("--sweep", action="store_true", help="time the alternatives of chunk.TUNING")
+    ap.add_argument("--sweep", action="store_true", help="time the alternatives of plan.TUNING")
     ap.add_argument("--variants", nargs="+", metavar="NAME",
                     help="sweep only these SWEEP entries (and the default), or groups of them: "
                     + ", ".join(VARIANT_GROUPS))
@@ -247,7 +247,7 @@ def main() -> None:
         for shp in a.shapes:
             calls(fla, *shp)[1]()
         return
-    report: dict = {"gpu": torch.cuda.get_device_name(), "tuning": dict(chunk.TUNING)}
+    report: dict = {"gpu": torch.cuda.get_device_name(), "tuning": dict(plan.TUNING)}
     if not a.no_breakdown:
         fla = make_fla(load_fla()) if a.fla else None
         for shp in a.shapes:

@@ -1,10 +1,10 @@
-"""Bytes the KDA forward moves per token and head without a backward, per kernel and ``chunk.TUNING`` alternative,
+"""Bytes the KDA forward moves per token and head without a backward, per kernel and ``plan.TUNING`` alternative,
 and the forward's time they predict at B8 T2048 H16 D128 (CPU; no GPU needed).
 
 The model counts each kernel's loads and stores (every input read once per program, repeated reads of the same tile
 assumed served by the cache), bf16 q, k, v, beta and float32 g, K = V = D: ``"split"`` as session 7's kernels wrote
 them (``_wy_fwd`` read G and k; since session 13 it reads the K⊙exp(G) that ``_intra_fwd`` stores, 2K bytes
-instead of 6K), ``"fused"`` as ``kernels/kda/chunk.py`` writes ``_prep_fwd``.
+instead of 6K), ``"fused"`` as ``kernels/kda/chunk_fwd.py`` writes ``_prep_fwd``.
 The prediction times each kernel at the ms per byte that Nsight Compute measured for its counterpart in session 7
 (benchmarks/RESULTS.md, "KDA kernels: against the targets": ``_intra_fwd`` 0.325 ms for 0.64 GB, ``_wy_fwd`` 0.211
 for 0.49, ``_scan_fwd_t`` 0.176 for 0.44, at B8 T2048 H16), so it assumes an alternative keeps that achieved rate.
@@ -59,7 +59,7 @@ def main() -> None:
     a = ap.parse_args()
     print(f"KB per token and head without a backward, K = V = {a.D}, C = {a.C}; predicted forward ms at B8 T2048 H16 "
           f"D128 (kernel rates of session 7's Nsight Compute)\n")
-    print("| `chunk.TUNING` | per-chunk kernels (KB) | scan (KB) | total (KB) | predicted ms |\n|---|---|---|---|---|")
+    print("| `plan.TUNING` | per-chunk kernels (KB) | scan (KB) | total (KB) | predicted ms |\n|---|---|---|---|---|")
     for name, kw in VARIANTS.items():
         kb = kernel_bytes(a.D, a.C, **kw)
         per_chunk = " + ".join(f"{b / 1e3:.2f}" for n, b in kb.items() if n != "_scan_fwd_t")

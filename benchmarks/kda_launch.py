@@ -1,6 +1,6 @@
 """Host (CPU) time of the KDA forward's launches against its GPU time: is a forward launch-bound?
 
-For each shape and pipeline-segment setting (``chunk.TUNING["fwd_segments"]``) it measures the forward without
+For each shape and pipeline-segment setting (``plan.TUNING["fwd_segments"]``) it measures the forward without
 gradients (the ``fwd`` column of benchmarks/kda.py) three ways:
 
 - ``host``: wall time per call of ``n`` calls queued back to back with no synchronisation (the launcher's Python,
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.kda import bench, inputs, ours  # noqa: E402
-from k3lit.kernels.kda import chunk_fwd as chunk  # noqa: E402
+from k3lit.kernels.kda import plan  # noqa: E402
 
 
 def host_ms(fn, n: int = 50) -> float:
@@ -61,14 +61,14 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["8x2048x16x128", "2x8192x16x128", "1x16384x16x128"])
     ap.add_argument("--segments", nargs="+", default=["auto", "1", "4"])
     args = ap.parse_args()
-    saved = dict(chunk.TUNING)
+    saved = dict(plan.TUNING)
     print("| B | T | H | D | fwd_segments | host ms | eager ms | graph ms |")
     print("|---|---|---|---|---|---|---|---|")
     for text in args.shapes:
         B, T, H, D = (int(x) for x in text.split("x"))
         xs = inputs(B, T, H, D, D)
         for seg in args.segments:
-            chunk.TUNING.update(fwd_segments=seg if seg == "auto" else int(seg))
+            plan.TUNING.update(fwd_segments=seg if seg == "auto" else int(seg))
 
             def fwd(xs=xs):
                 with torch.no_grad():
@@ -76,8 +76,8 @@ def main() -> None:
 
             print(f"| {B} | {T} | {H} | {D} | {seg} | {host_ms(fwd):.3f} | {bench(fwd):.3f} | {graph_ms(fwd):.3f} |",
                   flush=True)
-    chunk.TUNING.clear()
-    chunk.TUNING.update(saved)
+    plan.TUNING.clear()
+    plan.TUNING.update(saved)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Which rounding of the chunked KDA forward makes the output's error (CPU, float64 emulation).
 
-The Triton forward (``k3lit.kernels.kda.chunk``) rounds its matrix-product operands and some stored tensors to
+The Triton forward (``k3lit.kernels.kda.chunk_fwd``) rounds its matrix-product operands and some stored tensors to
 bfloat16. This script replays the same chunked algorithm in float64 with each of those roundings switchable,
 and prints the relative RMS error of the output against the float64 token-by-token recurrence
 (``kda_reference``) on the same bf16-valued inputs: with every rounding on, with each one off, and with each one

@@ -3,7 +3,7 @@ sm_90a machine code (CPU; no GPU needed).
 
 The kernel is compiled for the H200 as a real launch would be (``k3lit.kernels.aot``), disassembled with the
 ``nvdisasm`` that Triton ships (with line information), and every backward branch is taken as a loop. Each loop
-is matched to the Python loop in ``kernels/kda/chunk.py`` whose ``for`` line its instructions carry most often (else
+is matched to the Python loop in ``kernels/kda/chunk_fwd.py`` whose ``for`` line its instructions carry most often (else
 whose body's lines), which gives its trip
 count: the intra-chunk products and the W columns ``cdiv(K, BK)``, the U columns ``cdiv(V, BV)``, the inverse's
 substitution ``inverse_block - 1``. Instructions per chunk and head = the static count + (trips - 1) x each matched
@@ -15,7 +15,7 @@ fewer instructions is what makes it faster.
     python benchmarks/kda_sass.py --scan [--shape 1x16384x16x128] [--tuning '{"fwd_bv": 32}'] [--json counts.json]
 
 ``--scan`` counts instead the body of the forward state scan's chunk loop (``_scan_fwd``, or ``_scan_fwd_t`` where
-``chunk._scan_plan`` picks it at the shape): one trip per chunk, split by opcode (tensor-core products, barriers,
+``plan._scan_plan`` picks it at the shape): one trip per chunk, split by opcode (tensor-core products, barriers,
 asynchronous and plain global loads). One program of 4 warps runs each (sequence, head, value block); Nsight Compute
 found it issuing every 6.5-7.2 cycles at one warp per scheduler (benchmarks/RESULTS.md, "KDA launch settings").
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.kernel_resources import _kda  # noqa: E402
 from k3lit.kernels import aot  # noqa: E402
 
-#: The variants counted by default: ``chunk.TUNING`` updates.
+#: The variants counted by default: ``plan.TUNING`` updates.
 VARIANTS = {"default (16-wide inverse blocks)": {}, "inverse by substitution": dict(inverse_block=32),
             "inverse 8": dict(inverse_block=8), "inverse 4": dict(inverse_block=4)}
 _INS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -86,9 +86,9 @@ def disassemble(cubin: bytes) -> list[tuple[str, int | None, str | None]]:
 def python_loops(trips: dict[str, int]) -> dict[str, tuple[int, int, int]]:
     """``{name: (first line, last line, trips)}`` of the Python loops of chunk.py that ``_prep_fwd`` runs: the
     ``n``-th ``for`` of a function is named ``function#n``, and ``trips`` gives each name's trip count."""
-    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import chunk_fwd
 
-    tree = ast.parse(inspect.getsource(chunk))
+    tree = ast.parse(inspect.getsource(chunk_fwd))
     found = {}
     for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
         fors = [n for n in ast.walk(fn) if isinstance(n, ast.For)]
@@ -108,7 +108,7 @@ def machine_loops(ins: list[tuple[str, int | None, str | None]]) -> list[tuple[i
 
 def count(B: int, T: int, H: int, D: int, tuning: dict, save: bool) -> tuple[int, int, list[Loop]]:
     """``(instructions per chunk and head, static instructions, loops)`` of ``_prep_fwd`` at this shape, bf16
-    inputs, with ``tuning`` applied to ``chunk.TUNING``."""
+    inputs, with ``tuning`` applied to ``plan.TUNING``."""
     launch = _kda(B, T, H, D, D, False, False, only=("_prep_fwd",), tuning=tuning, save=save)[0]
     kw = launch.kwargs  # the constexprs the launcher chose
     ins = disassemble(aot.compile_kernel(launch).asm["cubin"])
@@ -147,7 +147,7 @@ def _read_next_trip(body: list[str], i: int) -> bool:
 def scan_loop(B: int, T: int, H: int, D: int, save: bool, tuning: dict | None = None
               ) -> tuple[str, int, Counter, list[bool]]:
     """``(kernel, instructions, opcodes, ahead)`` of the forward scan's largest loop, its chunk loop, at this shape
-    (bf16, K = V = D; ``tuning`` applied to ``chunk.TUNING``): the body's instruction count, a count per opcode
+    (bf16, K = V = D; ``tuning`` applied to ``plan.TUNING``): the body's instruction count, a count per opcode
     (``LDG`` only for plain global loads) and, per plain global load, whether its value is first read on the next
     trip (loaded a chunk ahead)."""
     launch = _kda(B, T, H, D, D, False, False, only=("_scan_fwd", "_scan_fwd_t"), save=save, tuning=tuning)[0]
@@ -166,7 +166,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the counts to this path")
     p.add_argument("--scan", action="store_true", help="count the forward scan's chunk loop instead")
     p.add_argument("--tuning", type=json.loads, default=None, metavar="JSON",
-                   help='with --scan: chunk.TUNING updates, e.g. \'{"fwd_scan": "plain"}\'')
+                   help='with --scan: plan.TUNING updates, e.g. \'{"fwd_scan": "plain"}\'')
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: the kernels must be compilable JIT functions")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 def test_sweep_entries_name_real_launch_settings():
     from benchmarks.kda_breakdown import BIT_IDENTICAL, SWEEP, VARIANT_GROUPS
-    from k3lit.kernels.kda import chunk_fwd as chunk
+    from k3lit.kernels.kda import plan
 
-    assert all(set(group) <= set(SWEEP) for group in VARIANT_GROUPS.values()) and BIT_IDENTICAL <= set(chunk.TUNING)
+    assert all(set(group) <= set(SWEEP) for group in VARIANT_GROUPS.values()) and BIT_IDENTICAL <= set(plan.TUNING)
     for label, update in SWEEP.items():
-        assert set(update) <= set(chunk.TUNING), f"{label}: {set(update) - set(chunk.TUNING)} not in chunk.TUNING"
+        assert set(update) <= set(plan.TUNING), f"{label}: {set(update) - set(plan.TUNING)} not in plan.TUNING"
 
 
 def test_table_of_stored_sweeps():

@@ -52,11 +52,11 @@ def test_scan_loop_has_one_plain_global_load(tmp_path):
 
 
 def test_rebased_exponentials_differ_from_tl_exp_only_in_ftz(tmp_path):
-    """``chunk._exp_rebased``: ``_prep_fwd``'s sm_90a PTX (bf16, no backward) holds the same instructions (registers
-    renumbered; as a multiset: LLVM orders the inline-PTX exponentials apart from their multiplies) as the same
-    kernel with ``tl.exp`` in its place, except that the rebased exponentials (|x| <= 87: normal results) are
-    ``ex2.approx.ftz.f32``: all of them since session 13, when the W pass began reading the K⊙exp(G) formed from
-    rebased factors (no exp(G) of its own, down to e^-160 at C = 32, which would need ``tl.exp``'s subnormals).
+    """``chunk_fwd._exp_rebased``: ``_prep_fwd``'s sm_90a PTX (bf16, no backward) holds the same instructions
+    (registers renumbered; as a multiset: LLVM orders the inline-PTX exponentials apart from their multiplies) as the
+    same kernel with ``tl.exp`` in its place, except that the rebased exponentials (|x| <= 87: normal results) are
+    ``ex2.approx.ftz.f32``: all of them, as the W pass reads the K⊙exp(G) formed from rebased factors (no exp(G) of
+    its own, down to e^-160 at C = 32, which would need ``tl.exp``'s subnormals).
     Float32 inputs take ``tl.exp`` throughout. Prints the count of flushed exponentials (RESULTS.md and
     kernels/kda/README.md quote it)."""
     code = """
@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 from benchmarks.kernel_resources import _kda
 from k3lit.kernels import aot
-from k3lit.kernels.kda import chunk_fwd as chunk
+from k3lit.kernels.kda import chunk_fwd
 
 def ptx(dtype):
     launch = _kda(1, 4096, 16, 128, 128, False, False, dtype, only=("_prep_fwd",), save=False)[0]
@@ -77,7 +77,7 @@ def ptx(dtype):
 
 ftz = ptx(torch.bfloat16)
 f32 = ptx(torch.float32)
-src = Path(chunk.__file__).read_text()
+src = Path(chunk_fwd.__file__).read_text()
 old = "    if F32:\\n        return tl.exp(x)"
 assert src.count(old) == 1
 path = Path(sys.argv[1]) / "chunk_tl_exp.py"  # _exp_rebased always tl.exp; Triton reads kernels from files

@@ -11,6 +11,7 @@ Public functions:
 Math, chunk size, the numeric argument for rebasing and the files of this package: ``README.md`` in this folder.
 """
 
-from k3lit.kernels.kda.op import kda_decode_triton, kda_recurrent_triton, kda_triton
+from k3lit.kernels.kda.fused_recurrent import kda_decode_triton, kda_recurrent_triton
+from k3lit.kernels.kda.op import kda_triton
 
 __all__ = ["kda_triton", "kda_decode_triton", "kda_recurrent_triton"]

@@ -1,22 +1,20 @@
-"""Triton kernels for Kimi Delta Attention, importable as ``k3lit.kernels.kda``.
+"""The chunked KDA kernels as a differentiable op: :func:`kda_triton`.
 
-Public functions:
-
-* :func:`kda_triton` — chunked forward and backward (training and prefill), differentiable, registered as
-  the torch custom ops ``k3lit::kda_chunk_fwd`` / ``k3lit::kda_chunk_bwd`` so ``torch.compile`` keeps them
-  in one graph.
-* :func:`kda_decode_triton` — one decoding step (T = 1) with the state updated in place.
-* :func:`kda_recurrent_triton` — token-by-token forward for any T (no gradient), e.g. short prompts.
-
-Math, chunk size and the numeric argument for rebasing: ``README.md`` in this folder.
+The launchers ``chunk_fwd`` and ``chunk_bwd`` are registered as the torch custom ops ``k3lit::kda_chunk_fwd`` /
+``k3lit::kda_chunk_bwd`` with fake (shape-only) implementations, and joined by ``register_autograd``, so that
+``torch.compile`` keeps them in one graph. The forward op returns the fields of
+:class:`~k3lit.kernels.kda.chunk_fwd.ChunkFwdOut` (torch.library hands its callers a plain tuple), which
+:func:`kda_triton` and the autograd context read back by name.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3lit.kernels.kda.chunk_fwd import _work_dtype, chunk_bwd, chunk_fwd, max_chunks
-from k3lit.kernels.kda.fused_recurrent import fused_recurrent_fwd
+from k3lit.kernels.kda.chunk_bwd import chunk_bwd
+from k3lit.kernels.kda.chunk_fwd import ChunkFwdOut, chunk_fwd
+from k3lit.kernels.kda.index import max_chunks
+from k3lit.kernels.kda.plan import _work_dtype
 from k3lit.kernels.kda_validate import check_gate_bias, check_gate_bound, check_inputs, largest_safe_chunk
 
 _Opt = torch.Tensor | None
@@ -29,8 +27,8 @@ def _kda_chunk_fwd(
     gate_bias: _Opt, gate_g_min: float | None, qk_l2norm: bool, save: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``; everything after ht is saved for the backward, and
-    written only with ``save`` (False when no input needs a gradient)."""
+    """Returns the :class:`ChunkFwdOut` fields ``(o, ht, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)``; everything after ht
+    is saved for the backward, and written only with ``save`` (False when no input needs a gradient)."""
     return chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
                      gate_bias, gate_g_min, qk_l2norm, save)
 
@@ -44,18 +42,18 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     wdt = _work_dtype(q.dtype)
     f32 = torch.float32
-    return (
-        torch.empty_like(v),
-        q.new_empty(N, H, K, V, dtype=f32),
-        q.new_empty(B, T, H, K, dtype=f32),
-        q.new_empty(B, T, H, C, dtype=f32),
-        q.new_empty(B, T, H, C, dtype=f32),
-        q.new_empty(B, T, H, K, dtype=wdt),
-        q.new_empty(B, T, H, K, dtype=wdt),
-        q.new_empty(B, T, H, K, dtype=wdt),
-        q.new_empty(max_chunks(B * T, N, C), H, K, V, dtype=wdt),
-        q.new_empty(B, T, H, V, dtype=wdt),
-        q.new_empty((2, B, T, H) if qk_l2norm else (0,), dtype=f32),
+    return ChunkFwdOut(
+        o=torch.empty_like(v),
+        ht=q.new_empty(N, H, K, V, dtype=f32),
+        Gc=q.new_empty(B, T, H, K, dtype=f32),
+        Aq=q.new_empty(B, T, H, C, dtype=f32),
+        Mi=q.new_empty(B, T, H, C, dtype=f32),
+        W=q.new_empty(B, T, H, K, dtype=wdt),
+        Kd=q.new_empty(B, T, H, K, dtype=wdt),
+        Qg=q.new_empty(B, T, H, K, dtype=wdt),
+        h=q.new_empty(max_chunks(B * T, N, C), H, K, V, dtype=wdt),
+        D=q.new_empty(B, T, H, V, dtype=wdt),
+        Rn=q.new_empty((2, B, T, H) if qk_l2norm else (0,), dtype=f32),
     )
 
 
@@ -83,27 +81,26 @@ def _(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, do, dht, need_dh0, scal
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size, gate_bias, gate_g_min,
      qk_l2norm, _) = inputs
-    _, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = output
+    saved = ChunkFwdOut(*output).saved
     # The saved-only outputs get no gradient: without these two calls autograd would fill a zero gradient for
-    # each of them before every backward (GBs at training shapes: ~1 ms at B8 T2048 H32 D256 on the H200), and
-    # an unused final state would reach the backward as zeros instead of None.
-    ctx.mark_non_differentiable(Gc, Aq, Mi, W, Kd, Qg, h, D, Rn)
+    # each of them before every backward (GBs at training shapes), and an unused final state would reach the
+    # backward as zeros instead of None.
+    ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)
     fused_gate = gate_g_min is not None
     # the log-decay itself is not needed (Gc holds its cumulative sum); the pre-activation is (dg -> de)
-    ctx.save_for_backward(q, k, v, g if fused_gate else None, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, cu_seqlens,
-                          gate_bias)
+    ctx.save_for_backward(q, k, v, g if fused_gate else None, beta, *saved, cu_seqlens, gate_bias)
     ctx.scale, ctx.chunk_size, ctx.gate_g_min, ctx.qk_l2norm = scale, chunk_size, gate_g_min, qk_l2norm
     ctx.has_h0 = initial_state is not None
     ctx.g_dtype = g.dtype
 
 
 def _backward(ctx, do, dht, *_unused):
-    q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, cu_seqlens, gate_bias = ctx.saved_tensors
+    q, k, v, g, beta, *saved, cu_seqlens, gate_bias = ctx.saved_tensors  # saved: ChunkFwdOut.saved
     if do is None:  # only the final state was used
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = _kda_chunk_bwd(
-        q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, do.contiguous(),
+        q, k, v, g, beta, *saved, do.contiguous(),
         None if dht is None else dht.contiguous(), ctx.has_h0, ctx.scale, cu_seqlens, ctx.chunk_size, gate_bias,
         ctx.gate_g_min, ctx.qk_l2norm)
     dbias = None
@@ -194,79 +191,10 @@ def kda_triton(
     # what only the backward reads is written only when a backward can follow
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                            for x in (q, k, v, g, beta, initial_state, gate_bias))
-    o, ht, *_ = _kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
-                               gate_bias, float(g_min) if use_gate_in_kernel else None, use_qk_l2norm_in_kernel, save)
-    return o, (ht if output_final_state else None)
+    out = ChunkFwdOut(*_kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
+                                      gate_bias, float(g_min) if use_gate_in_kernel else None,
+                                      use_qk_l2norm_in_kernel, save))
+    return out.o, (out.ht if output_final_state else None)
 
 
-def kda_recurrent_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token KDA forward (no autograd) for any T. Shapes and returns as :func:`kda_triton`.
-
-    Raises:
-        ValueError: mismatched shapes, or K or V above 256.
-    """
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    K, V = q.shape[-1], v.shape[-1]
-    if K > 256 or V > 256:
-        raise ValueError(f"kda_recurrent_triton supports K, V <= 256, got K={K}, V={V}")
-    scale = K**-0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    ht = q.new_empty(N, q.shape[2], K, V, dtype=torch.float32) if output_final_state else None
-    o = fused_recurrent_fwd(q, k, v, g, beta, scale, h0, ht, cu_seqlens)
-    return o, ht
-
-
-@torch.no_grad()
-def kda_decode_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoding step; ``state`` is updated in place.
-
-    Args:
-        q, k, g: ``[B, 1, H, K]`` (or ``[B, H, K]``) for the new token.
-        v: ``[B, 1, H, V]`` (or ``[B, H, V]``).
-        beta: ``[B, 1, H]`` (or ``[B, H]``).
-        state: ``[B, H, K, V]`` float32 contiguous, the state before the token; overwritten with the state
-            after it.
-        scale: default ``K ** -0.5``.
-
-    Returns:
-        ``(o [B, 1, H, V] in v's dtype (or [B, H, V] when given 3-D inputs), state)``.
-
-    Raises:
-        ValueError: wrong shapes, or a state that is not float32 and contiguous.
-    """
-    squeeze = q.dim() == 3
-    if squeeze:
-        q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
-    check_inputs(q, k, v, g, beta, state, None)
-    if q.shape[1] != 1:
-        raise ValueError(f"kda_decode_triton takes one token (T = 1), got T = {q.shape[1]}")
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"state must be a contiguous float32 tensor, got {state.dtype}")
-    K = q.shape[-1]
-    scale = K**-0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o = fused_recurrent_fwd(q, k, v, g, beta, scale, state, state, None)
-    return (o[:, 0] if squeeze else o), state
-
-
-__all__ = ["kda_triton", "kda_decode_triton", "kda_recurrent_triton"]
+__all__ = ["kda_triton"]
