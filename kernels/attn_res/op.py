@@ -1,4 +1,4 @@
-"""Triton kernels for the Attention-Residuals depth mix, importable as ``k3lit.kernels.attn_res``.
+"""The Attention-Residuals kernels as differentiable ops, with their input checks.
 
 :func:`attn_res_mix_triton` is the fused form of :func:`k3lit.ops.attn_res.attn_res_mix` (which picks it on
 CUDA): one forward kernel and one backward kernel over all N sources. Under ``torch.compile`` they run as the
