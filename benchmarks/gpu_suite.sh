@@ -12,7 +12,7 @@
 #
 # Steps: tests (GPU tests of kernels, model, nn), kda (section "KDA kernels", with fla; starts six fla compile
 # workers beside the tests, twelve ran a 140 GB H200 out of memory), fused ("KDA with fused gate and q/k L2 norm"),
-# sweep (the forward alternatives of chunk.TUNING around the defaults, kda_breakdown.FORWARD_VARIANTS: the split
+# sweep (the forward alternatives of plan.TUNING around the defaults, kda_breakdown.FORWARD_VARIANTS: the split
 # per-chunk kernels, the one kernel's warps and steps, bf16 U, the scan writing the output, pipeline segments forced
 # on and off; to $LOGS/kda_sweep.json, rewritten after each shape; $LOGS/kda_sweep.log has each line as it is timed;
 # 18 variants at 8 shapes took ~4 minutes in session 9), attnres

@@ -85,7 +85,7 @@ def kda_chunk(
     """Chunked KDA forward; autograd supplies the backward. Shapes as :func:`k3lit.ops.kda`.
 
     Computes in float64 for float64 inputs and in float32 otherwise, autocast off (under fp16 autocast the
-    rebased exponentials, up to e^87, overflowed the matrix products); o is returned in v's dtype and the final
+    rebased exponentials, up to e^87, would overflow the matrix products); o is returned in v's dtype and the final
     state in the compute dtype.
     """
     kind = q.device.type
