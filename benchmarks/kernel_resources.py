@@ -41,20 +41,20 @@ META = torch.device("meta")
 def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: torch.dtype = torch.bfloat16,
          scans_only: bool = False, only: tuple[str, ...] = (), tuning: dict | None = None,
          save: bool = True) -> list[aot.Launch]:
-    """The chunked KDA launches at one shape (which scan kernels run depends on it: ``chunk._scan_plan``) and the
+    """The chunked KDA launches at one shape (which scan kernels run depends on it: ``plan._scan_plan``) and the
     one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
-    ``tuning``: with these ``chunk.TUNING`` settings; ``save=False``: the forward without a backward to follow (the
+    ``tuning``: with these ``plan.TUNING`` settings; ``save=False``: the forward without a backward to follow (the
     backward's launches are still recorded, on what it would read)."""
-    from k3lit.kernels.kda import chunk, fused_recurrent
+    from k3lit.kernels.kda import chunk_bwd, chunk_fwd, fused_recurrent, plan
 
     if tuning:
-        saved = dict(chunk.TUNING)
-        chunk.TUNING.update(tuning)
+        saved = dict(plan.TUNING)
+        plan.TUNING.update(tuning)
         try:
             return _kda(B, T, H, K, V, gate, l2, dtype, scans_only, only, None, save)
         finally:
-            chunk.TUNING.clear()
-            chunk.TUNING.update(saved)
+            plan.TUNING.clear()
+            plan.TUNING.update(saved)
 
     bf = dict(device=META, dtype=dtype)
     q, k = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf)
@@ -63,14 +63,14 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     beta = torch.empty(B, T, H, **bf)
     bias = torch.empty(H * K, device=META) if gate else None
     fusion = (bias, -5.0 if gate else None, l2)
-    names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd", "_scan_bwd", "_scan_bwd_t",
-             "_main_bwd")
-    with aot.record_launches(chunk, *names) as launches:
-        o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
-                                                               *fusion, save=save)
-        chunk.chunk_bwd(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, torch.empty_like(o), None, False,
-                        K**-0.5, None, 32, *fusion)
-    launches = list({x.name: x for x in reversed(launches)}.values())[::-1]  # pipeline segments relaunch a kernel
+    fwd_names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd")
+    with aot.record_launches(chunk_fwd, *fwd_names) as fwd, \
+            aot.record_launches(chunk_bwd, "_scan_bwd", "_scan_bwd_t", "_main_bwd") as bwd:
+        o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk_fwd.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
+                                                                   *fusion, save=save)
+        chunk_bwd.chunk_bwd(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, torch.empty_like(o), None, False,
+                            K**-0.5, None, 32, *fusion)
+    launches = list({x.name: x for x in reversed(fwd + bwd)}.values())[::-1]  # pipeline segments relaunch a kernel
     if scans_only:
         return [x for x in launches if x.name.startswith(("_scan", "_out"))]
     if only:
@@ -121,8 +121,8 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused), fla's B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
-    shapes, so that both state layouts of both scans are compiled (``chunk._scan_plan`` picks them by shape), and
-    the forward alternatives of ``chunk.TUNING`` that change kernels;
+    shapes, so that both state layouts of both scans are compiled (``plan._scan_plan`` picks them by shape), and
+    the forward alternatives of ``plan.TUNING`` that change kernels;
     the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py) and its two-phase
     kernels for a block of 4 sublayers over 6 summaries at batch 8; the q|k|v short
     convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""

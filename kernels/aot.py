@@ -6,7 +6,7 @@ resources each launch needs: registers per thread, bytes spilled to local memory
 what the interpreter (``TRITON_INTERPRET=1``) cannot: a kernel that does not compile for the GPU, or one whose
 register tile spills.
 
-Use: run a launcher (e.g. ``k3lit.kernels.kda.chunk.chunk_fwd``) on ``meta`` tensors of the real shapes inside
+Use: run a launcher (e.g. ``k3lit.kernels.kda.chunk_fwd.chunk_fwd``) on ``meta`` tensors of the real shapes inside
 :func:`record_launches`, which stands in for the launched kernels and records each launch's arguments; then
 :func:`compile_launch` compiles one recorded launch for the target and returns its :class:`Resources`
 (:func:`compile_kernel`: the compiled kernel itself, PTX and cubin).

@@ -125,7 +125,8 @@ def row_tiles(D: int, kernel: str) -> tuple[int, int, int]:
     a power of two, masked), 32 values per thread. At warp scale 1, one warp per 1024 columns: at D <= 1024 a
     row's reductions stay inside its warp (shuffles; no shared memory, no barrier) and many small programs keep
     many loads in flight; scale k gives k times the warps and the rows (at most 8 warps). On the H200 at
-    D = 1024, one-warp rows ran the phase-1 forward 1.6x faster than session 6's 4-warp tiles of 2 rows."""
+    D = 1024 one-warp rows run the phase-1 forward faster than 4-warp tiles of 2 rows (benchmarks/RESULTS.md,
+    "Attention residuals: depth-mix kernel")."""
     scale = TILES[kernel]
     assert scale > 0 and scale & (scale - 1) == 0, f"TILES[{kernel!r}] = {scale}: warp scales are powers of two"
     BD = triton.next_power_of_2(D)

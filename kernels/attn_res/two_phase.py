@@ -18,7 +18,7 @@ addition, and its forward reads every summary from memory once (the other querie
 Its backward still reads each summary 2S + 1 times, all but the first from cache; phase 2 adds a read of
 ``mix_j`` and ``p`` per sublayer. On the H200 (benchmarks/RESULTS.md, "depth-mix kernel") a block's two phases
 take less kernel time than its S one-pass reads (2.4 against 2.7 ms at 6 summaries, batch 8 x 4096 x 1024), and the
-model gains more than that: autograd no longer adds up S gradients per summary.
+model gains more than that: autograd does not add up S gradients per summary.
 
 Backward of phase 1, upstream ``g_j`` (of mix_j) and ``δ_j`` (of lse_j)::
 

@@ -1,4 +1,5 @@
-"""Fused token-by-token KDA in Triton (forward only): decoding and short prompts.
+"""Fused token-by-token KDA in Triton (forward only): :func:`kda_decode_triton` for decoding, and
+:func:`kda_recurrent_triton` for short prompts.
 
 One program per (value block, sequence x head) keeps its ``[K, BV]`` float32 slice of the state in
 registers and walks the tokens (docs/MATH.md §1)::
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from k3lit.kernels.kda_validate import check_inputs
 
 
 @triton.jit
@@ -72,3 +75,73 @@ def fused_recurrent_fwd(
         q, k, v, g, beta, o, initial_state, final_state, cu, scale, H=H, K=K, V=V, BK=BK, BV=BV,
         HAS_H0=initial_state is not None, STORE_HT=final_state is not None, num_warps=4 if BK <= 64 else 8)
     return o
+
+
+def kda_recurrent_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA forward (no autograd) for any T. Shapes and returns as :func:`kda_triton`.
+
+    Raises:
+        ValueError: mismatched shapes, or K or V above 256.
+    """
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    K, V = q.shape[-1], v.shape[-1]
+    if K > 256 or V > 256:
+        raise ValueError(f"kda_recurrent_triton supports K, V <= 256, got K={K}, V={V}")
+    scale = K**-0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    ht = q.new_empty(N, q.shape[2], K, V, dtype=torch.float32) if output_final_state else None
+    o = fused_recurrent_fwd(q, k, v, g, beta, scale, h0, ht, cu_seqlens)
+    return o, ht
+
+
+@torch.no_grad()
+def kda_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step; ``state`` is updated in place.
+
+    Args:
+        q, k, g: ``[B, 1, H, K]`` (or ``[B, H, K]``) for the new token.
+        v: ``[B, 1, H, V]`` (or ``[B, H, V]``).
+        beta: ``[B, 1, H]`` (or ``[B, H]``).
+        state: ``[B, H, K, V]`` float32 contiguous, the state before the token; overwritten with the state
+            after it.
+        scale: default ``K ** -0.5``.
+
+    Returns:
+        ``(o [B, 1, H, V] in v's dtype (or [B, H, V] when given 3-D inputs), state)``.
+
+    Raises:
+        ValueError: wrong shapes, or a state that is not float32 and contiguous.
+    """
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v, g, beta = q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None]
+    check_inputs(q, k, v, g, beta, state, None)
+    if q.shape[1] != 1:
+        raise ValueError(f"kda_decode_triton takes one token (T = 1), got T = {q.shape[1]}")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be a contiguous float32 tensor, got {state.dtype}")
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = fused_recurrent_fwd(q, k, v, g, beta, scale, state, state, None)
+    return (o[:, 0] if squeeze else o), state

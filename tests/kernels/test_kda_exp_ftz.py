@@ -1,4 +1,4 @@
-"""``chunk._exp_rebased`` in ``_prep_fwd``'s sm_90a PTX (CPU only: the compiler needs no GPU)."""
+"""``chunk_fwd._exp_rebased`` in ``_prep_fwd``'s sm_90a PTX (CPU only: the compiler needs no GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rebased_exponentials_differ_from_tl_exp_only_in_ftz(tmp_path):
-    """``chunk._exp_rebased``: ``_prep_fwd``'s sm_90a PTX (bf16, no backward) holds the same instructions (registers
+    """``chunk_fwd._exp_rebased``: ``_prep_fwd``'s sm_90a PTX (bf16, no backward) holds the same instructions (registers
     renumbered; as a multiset: LLVM orders the inline-PTX exponentials apart from their multiplies) as the same
     kernel with ``tl.exp`` in its place, except that the rebased exponentials (|x| <= 87: normal results) are
     ``ex2.approx.ftz.f32``: all of them, since the W pass reads the K⊙exp(G) formed from rebased factors (no
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from benchmarks.kernel_resources import _kda
 from k3lit.kernels import aot
-from k3lit.kernels.kda import chunk
+from k3lit.kernels.kda import chunk_fwd as chunk
 
 def ptx(dtype):
     launch = _kda(1, 4096, 16, 128, 128, False, False, dtype, only=("_prep_fwd",), save=False)[0]
@@ -41,12 +41,12 @@ old = "    if F32:\\n        return tl.exp(x)"
 assert src.count(old) == 1
 path = Path(sys.argv[1]) / "chunk_tl_exp.py"  # _exp_rebased always tl.exp; Triton reads kernels from files
 path.write_text(src.replace(old, "    if True:\\n        return tl.exp(x)"))
-spec = importlib.util.spec_from_file_location("k3lit.kernels.kda.chunk", path)
+spec = importlib.util.spec_from_file_location("k3lit.kernels.kda.chunk_fwd", path)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-sys.modules["k3lit.kernels.kda.chunk"] = mod
+sys.modules["k3lit.kernels.kda.chunk_fwd"] = mod
 import k3lit.kernels.kda as package
-package.chunk = mod
+package.chunk_fwd = mod
 plain = ptx(torch.bfloat16)
 print(json.dumps(dict(ftz=sum("ex2.approx.ftz.f32" in l for l in ftz), plain=sum("ex2.approx.f32" in l for l in ftz),
                       f32_ftz=sum("ftz" in l for l in f32 if "ex2" in l),

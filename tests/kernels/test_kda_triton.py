@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3lit.kernels.kda import chunk
+from k3lit.kernels.kda import chunk_bwd, chunk_fwd, common, index, pipeline, plan
 from k3lit.ops.kda import kda, kda_reference
 from k3lit.testing import rel_rms
 
@@ -72,20 +72,18 @@ def run_both(inputs, cu_seqlens=None, g_min=-5.0, use_h0=True, fn=None):
 
 @pytest.fixture(params=["plain", "transposed"])
 def scan_layout(request, monkeypatch):
-    """Run the test with each state layout of the two scans (``chunk.TUNING``; by default picked per shape)."""
-    from k3lit.kernels.kda import chunk
-
-    monkeypatch.setitem(chunk.TUNING, "fwd_scan", request.param)
-    monkeypatch.setitem(chunk.TUNING, "bwd_scan", request.param)
+    """Run the test with each state layout of the two scans (``plan.TUNING``; by default picked per shape)."""
+    monkeypatch.setitem(plan.TUNING, "fwd_scan", request.param)
+    monkeypatch.setitem(plan.TUNING, "bwd_scan", request.param)
     return request.param
 
 
 def spy_launches(monkeypatch, names, record):
-    """Wrap the ``chunk`` kernels ``names`` so that each launch first appends ``record(name, kwargs)`` to the
+    """Wrap the ``chunk_fwd`` kernels ``names`` so that each launch first appends ``record(name, kwargs)`` to the
     returned list, then runs."""
     seen = []
     for name in names:
-        kernel = getattr(chunk, name)
+        kernel = getattr(chunk_fwd, name)
 
         class Spy:
             def __getitem__(self, grid, kernel=kernel, name=name):
@@ -94,7 +92,7 @@ def spy_launches(monkeypatch, names, record):
                     return kernel[grid](*args, **kw)
                 return launch
 
-        monkeypatch.setattr(chunk, name, Spy())
+        monkeypatch.setattr(chunk_fwd, name, Spy())
     return seen
 
 
@@ -120,12 +118,10 @@ def test_forward_backward_matches_reference(seed, scan_layout, B, T, H, K, V):
 
 
 def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
-    """The 32-wide key / value steps of the split forward's per-chunk kernels (``chunk.TUNING`` alternatives), at K
+    """The 32-wide key / value steps of the split forward's per-chunk kernels (``plan.TUNING`` alternatives), at K
     and V that span more than one step and are not multiples of it."""
-    from k3lit.kernels.kda import chunk
-
     for key, value in dict(fwd_prep="split", intra_bk=32, intra_warps=4, wy_bk=32, wy_bv=32, wy_warps=2).items():
-        monkeypatch.setitem(chunk.TUNING, key, value)
+        monkeypatch.setitem(plan.TUNING, key, value)
     blocks = spy_launches(monkeypatch, ("_intra_fwd", "_wy_fwd"),
                           lambda name, kw: (name, kw["BK"], kw.get("BV"), kw["num_warps"]))
     assert_errors(run_both(make_inputs(1, 70, 2, 80, 72)), TOL_F32)
@@ -171,13 +167,13 @@ def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layou
 @pytest.mark.gpu  # also on the CPU: the GPU suite runs it for the bit-for-bit check
 def test_inference_forward_at_wide_keys_scans_128_wide_value_blocks(seed, monkeypatch):
     """At K > 128 the transposed forward scan runs in 128-wide value blocks without a backward to follow and in
-    64-wide ones when it stores the states for the backward (chunk._scan_plan). V = 200: two 128-wide blocks, the
+    64-wide ones when it stores the states for the backward (plan._scan_plan). V = 200: two 128-wide blocks, the
     last one part masked. The inference forward matches the float64 reference and the training forward (on the GPU
     bit for bit: each value column's products are the same; under the interpreter to float32 rounding, as numpy's
     matrix products may sum in another order at another block shape)."""
     from k3lit.kernels.kda import kda_triton
 
-    monkeypatch.setitem(chunk.TUNING, "fwd_scan", "transposed")
+    monkeypatch.setitem(plan.TUNING, "fwd_scan", "transposed")
     widths = spy_launches(monkeypatch, ("_scan_fwd_t",), lambda name, kw: kw["BV"])
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     q, k, v, g, beta, h0 = make_inputs(1, 70 if DEV == "cpu" else 700, 2, 136, 200, dtype=dtype)
@@ -197,13 +193,13 @@ def test_inference_forward_at_wide_keys_scans_128_wide_value_blocks(seed, monkey
 @pytest.mark.parametrize("segments,expect", [(4, [(0, 2, 0, 1), (2, 4, 1, 2), (4, 6, 2, 3), (6, 10, 3, 5)]),
                                              (9, [(2 * c, 2 * c + 2, c, c + 1) for c in range(5)])])
 def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkeypatch, segments, expect):
-    """The forward and backward in pipeline segments (``chunk.TUNING["fwd_segments"]``, ``["bwd_segments"]``; on the
+    """The forward and backward in pipeline segments (``plan.TUNING["fwd_segments"]``, ``["bwd_segments"]``; on the
     GPU each segment's scan runs on a side stream beside the per-chunk kernels of another segment) give bit-identical
     outputs, final state and gradients: the state and its gradient cross each segment boundary in float32. B = 2
     sequences of 5 chunks (T = 150)."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import kda_triton
 
-    table, segs = chunk._segment_table(2, 5, segments, torch.device(DEV))
+    table, segs = pipeline._segment_table(2, 5, segments, torch.device(DEV))
     assert list(segs) == expect  # (table rows, chunk range); 9 asked of 5 chunks: 5 segments
     assert table.tolist() == [[n, c] for lo, hi in [(s[2], s[3]) for s in expect] for n in (0, 1)
                               for c in range(lo, hi)]
@@ -212,12 +208,13 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
     t = "_t" if scan_layout == "transposed" else ""
     results = []
     for P in (1, segments):
-        monkeypatch.setitem(chunk.TUNING, "fwd_segments", P)
-        monkeypatch.setitem(chunk.TUNING, "bwd_segments", P)
+        monkeypatch.setitem(plan.TUNING, "fwd_segments", P)
+        monkeypatch.setitem(plan.TUNING, "bwd_segments", P)
         xs = [x.detach().clone().requires_grad_() for x in inputs]
         scans = []
         for name in (f"_scan_fwd{t}", f"_scan_bwd{t}"):
-            launch = getattr(chunk, name)
+            module = chunk_fwd if name.startswith("_scan_fwd") else chunk_bwd
+            launch = getattr(module, name)
 
             class Spy:
                 def __getitem__(self, grid, launch=launch, name=name, scans=scans):
@@ -227,7 +224,7 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
                         return launch[grid](*args, **kw)
                     return run
 
-            monkeypatch.setattr(chunk, name, Spy())
+            monkeypatch.setattr(module, name, Spy())
         o, ht = kda_triton(*xs[:5], None, xs[5], True)
         (o * do).sum().add(ht.sum()).backward()
         ranges = [(0, 2**31 - 1)] if P == 1 else [(lo, hi) for *_, lo, hi in expect]
@@ -241,17 +238,15 @@ def test_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkey
 @pytest.mark.parametrize("collinear", [False, True])
 def test_blocked_inverse(seed, monkeypatch, block, collinear):
     """``TUNING["inverse_block"]``: M = (I + Diag(beta) A)^-1 from substituted diagonal blocks doubled up with
-    products (``chunk._inverse``) matches the float64 reference like the plain substitution, also with
+    products (``chunk_fwd._inverse``) matches the float64 reference like the plain substitution, also with
     near-collinear keys (M badly conditioned), on a varlen batch with a partial chunk and K = 40; with the fused
     prep and with the split kernels (``_wy_fwd``). Every other test runs the default, 16; 32 is the plain
     substitution (no doubling), 2 and 8 double four and two times."""
-    from k3lit.kernels.kda import chunk
-
-    monkeypatch.setitem(chunk.TUNING, "inverse_block", block)
+    monkeypatch.setitem(plan.TUNING, "inverse_block", block)
     cu = torch.tensor([0, 9, 80], device=DEV)
     inputs = make_inputs(1, 80, 2, 40, 24, N=2, collinear=collinear)
     for prep in ("fused", "split"):
-        monkeypatch.setitem(chunk.TUNING, "fwd_prep", prep)
+        monkeypatch.setitem(plan.TUNING, "fwd_prep", prep)
         assert_errors(run_both(inputs, cu_seqlens=cu), TOL_F32)
 
 
@@ -271,7 +266,7 @@ def _tf32_cases(device):
 @triton.jit
 def _tf32_kernel(x, y, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y + i, chunk._tf32(tl.load(x + i, mask=i < n), False), mask=i < n)
+    tl.store(y + i, common._tf32(tl.load(x + i, mask=i < n), False), mask=i < n)
 
 
 @triton.jit
@@ -289,7 +284,7 @@ def _elementwise(kernel, x):
 
 
 def test_tf32_rounding_is_round_to_nearest_ties_away():
-    """``chunk._tf32``'s bit form against the definition of ``cvt.rna.tf32.f32``, in float64: the nearest multiple
+    """``common._tf32``'s bit form against the definition of ``cvt.rna.tf32.f32``, in float64: the nearest multiple
     of the TF32 unit (2^(e - 10) for a normal float32 of exponent e, 2^-136 below the normals), ties away from
     zero, overflowing to infinity past the largest TF32 value; infinities and zeros unchanged."""
     x = _tf32_cases(DEV)
@@ -307,16 +302,14 @@ def test_tf32_rounding_is_round_to_nearest_ties_away():
 def test_plain_output_rule(monkeypatch):
     """``TUNING["fwd_plain_out"] = "auto"``: the plain scan writes the output only without a backward to follow, at
     K, V <= 128, for bf16 and fp16 inputs; ``"fused"`` and ``"separate"`` are used as given."""
-    from k3lit.kernels.kda import chunk
-
-    rule = chunk._plain_out_fused
+    rule = plan._plain_out_fused
     assert rule(False, 128, 128, torch.bfloat16) and rule(False, 64, 100, torch.float16)
     assert not rule(True, 128, 128, torch.bfloat16)
     assert not rule(False, 129, 128, torch.bfloat16) and not rule(False, 128, 256, torch.bfloat16)
     assert not rule(False, 128, 128, torch.float32)
-    monkeypatch.setitem(chunk.TUNING, "fwd_plain_out", "fused")
+    monkeypatch.setitem(plan.TUNING, "fwd_plain_out", "fused")
     assert rule(True, 256, 256, torch.float32)
-    monkeypatch.setitem(chunk.TUNING, "fwd_plain_out", "separate")
+    monkeypatch.setitem(plan.TUNING, "fwd_plain_out", "separate")
     assert not rule(False, 128, 128, torch.bfloat16)
 
 
@@ -326,7 +319,7 @@ def test_output_key_step_follows_the_plain_output_shapes(seed, monkeypatch):
     products spill in one 128-wide step; V above 128)."""
     from k3lit.kernels.kda import kda_triton
 
-    monkeypatch.setitem(chunk.TUNING, "fwd_scan", "plain")
+    monkeypatch.setitem(plan.TUNING, "fwd_scan", "plain")
     steps = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: kw["BK"])
     for K, V, dtype in ((80, 72, torch.bfloat16), (80, 72, torch.float32), (80, 136, torch.bfloat16)):
         q, k, v, g, beta, _ = make_inputs(1, 40, 1, K, V, dtype=dtype)
@@ -338,14 +331,12 @@ def test_pipeline_segments_rule(monkeypatch):
     """``TUNING["bwd_segments"] = "auto"``: 4 segments only for a dense batch with B·H <= 16 and at least 512
     chunks a sequence; ``"fwd_segments" = "auto"``: never; one for varlen batches and single chunks; a number given
     in TUNING is used as given."""
-    from k3lit.kernels.kda import chunk
-
-    seg = chunk._segments
+    seg = plan._segments
     assert [seg("bwd", 1, 16, T, 32, None) for T in (8192, 16384, 32768)] == [1, 4, 4]
     assert [seg("fwd", B, 16, T, 32, None) for B, T in ((1, 65536), (1, 16384), (2, 8192), (8, 2048))] == [1] * 4
     assert seg("bwd", 2, 16, 65536, 32, None) == seg("bwd", 1, 96, 65536, 32, None) == 1  # B·H > 16
     assert seg("bwd", 1, 16, 65536, 32, torch.tensor([0, 65536])) == 1
-    monkeypatch.setitem(chunk.TUNING, "fwd_segments", 3)
+    monkeypatch.setitem(plan.TUNING, "fwd_segments", 3)
     assert seg("fwd", 8, 16, 2048, 32, None) == 3 and seg("fwd", 8, 16, 32, 32, None) == 1
     assert seg("fwd", 1, 16, 65536, 32, torch.tensor([0, 65536])) == 1
 
@@ -354,10 +345,10 @@ def test_pipeline_segments_rule(monkeypatch):
 def test_plain_scan_with_fused_output(seed, monkeypatch, segments):
     """The plain forward scan writing the output itself (``TUNING["fwd_plain_out"] = "fused"``), with a backward
     to follow (it then also stores the states and Delta) and without, at K and V above one 64-wide block."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import kda_triton
 
     for key, value in dict(fwd_scan="plain", fwd_plain_out="fused", fwd_segments=segments).items():
-        monkeypatch.setitem(chunk.TUNING, key, value)
+        monkeypatch.setitem(plan.TUNING, key, value)
     inputs = make_inputs(2, 100, 2, 80, 72)
     assert_errors(run_both(inputs), TOL_F32)
     q, k, v, g, beta, h0 = inputs
@@ -375,10 +366,10 @@ def test_forward_w_from_stored_kg(seed, monkeypatch, variant, fused):
     V = 16: the blocked loops and their masks), with the fused gate's e and bias and the fused L2 norm too; with no
     backward to follow, only each chunk's last row of G is stored. Against the reference with and without a
     backward (varlen, a partial last chunk), and only those rows written without one."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import kda_triton
 
     for key, value in variant.items():
-        monkeypatch.setitem(chunk.TUNING, key, value)
+        monkeypatch.setitem(plan.TUNING, key, value)
     cu = torch.tensor([0, 9, 70], device=DEV)
     if fused:
         assert_errors(run_fused(1, 70, 2, 24, 16, cu_seqlens=cu, N=2), FUSED_TOL)
@@ -389,7 +380,7 @@ def test_forward_w_from_stored_kg(seed, monkeypatch, variant, fused):
         o, ht = kda_triton(q, k, v, g, beta, None, h0, True, cu)
     o_r, ht_r = kda_reference(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), True, cu)
     assert rel_rms(o, o_r) < TOL_F32 and rel_rms(ht, ht_r) < TOL_F32
-    Gc = chunk.chunk_fwd(q, k, v, g, beta, 24**-0.5, h0, True, cu, 32, save=False)[2]
+    Gc = chunk_fwd.chunk_fwd(q, k, v, g, beta, 24**-0.5, h0, True, cu, 32, save=False)[2]
     last = [8, 40, 69]  # the chunks' last tokens: [0, 9), [9, 41), [41, 70)
     written = Gc[0].isfinite().all(-1).all(-1)  # every other row stays NaN (conftest's empty)
     assert written.nonzero().flatten().tolist() == last
@@ -401,13 +392,11 @@ def test_inference_forward_skips_what_only_the_backward_reads(seed, scan_layout,
     """``chunk_fwd(save=False)`` leaves M unwritten (NaN: every buffer starts NaN here; split, Mi keeps L, zero on
     the diagonal, where M has ones) and, on the transposed scan, the per-chunk states and Delta; with ``save`` all
     are written. The plain scan's output kernel reads the states, so it writes them either way."""
-    from k3lit.kernels.kda import chunk
-
-    monkeypatch.setitem(chunk.TUNING, "fwd_prep", prep)
+    monkeypatch.setitem(plan.TUNING, "fwd_prep", prep)
     q, k, v, g, beta, _ = make_inputs(1, 70, 2, 16, 24)
     NC = 3  # chunks of 32 in T = 70
-    _, _, _, _, Mi, _, _, _, h, D, _ = chunk.chunk_fwd(q, k, v, g, beta, 16**-0.5, None, True, None, 32,
-                                                      qk_l2norm=True, save=save)
+    _, _, _, _, Mi, _, _, _, h, D, _ = chunk_fwd.chunk_fwd(q, k, v, g, beta, 16**-0.5, None, True, None, 32,
+                                                          qk_l2norm=True, save=save)
     rows = Mi[0, :, 0, :]  # [T, C]: row t of its chunk's matrix
     diag = rows[torch.arange(70), torch.arange(70) % 32]
     if save or prep == "split":
@@ -527,17 +516,15 @@ def test_errors():
     ],
 )
 def test_scan_plan_rule(which, NH, K, expect):
-    """The launch rule documented in kernels/kda/README.md ("Compile time / tuning") and chunk._scan_plan; with
+    """The launch rule documented in kernels/kda/README.md ("Compile time / tuning") and plan._scan_plan; with
     float32 operands at K = 256 always the plain state, in 2 pipeline stages (the shared memory of the transposed
     state, and of 3 stages, exceeds the H200's: test_sm90_compile.py)."""
-    from k3lit.kernels.kda import chunk
-
-    transposed, BK, BV, _, stages = chunk._scan_plan(which, NH, K, 128, torch.device("meta"), False)
+    transposed, BK, BV, _, stages = plan._scan_plan(which, NH, K, 128, torch.device("meta"), False)
     assert (transposed, BV) == expect and BK == K and stages == 3
     # a forward with no backward to follow: 128-wide transposed blocks at K > 128, else as with one
-    _, _, BV, _, _ = chunk._scan_plan(which, NH, K, 128, torch.device("meta"), False, save=False)
+    _, _, BV, _, _ = plan._scan_plan(which, NH, K, 128, torch.device("meta"), False, save=False)
     assert BV == (128 if which == "fwd" and expect[0] and K > 128 else expect[1])
-    transposed, _, _, _, stages = chunk._scan_plan(which, NH, K, 128, torch.device("meta"), True)
+    transposed, _, _, _, stages = plan._scan_plan(which, NH, K, 128, torch.device("meta"), True)
     assert transposed == (expect[0] and K <= 128) and stages == (2 if K > 128 else 3)
 
 
@@ -726,7 +713,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 @pytest.mark.gpu
 @gpu
 def test_gpu_tf32_rounding_equals_cvt_rna():
-    """On the GPU, ``chunk._tf32``'s bit form gives the bits of ``cvt.rna.tf32.f32`` on every case, ties and carries
+    """On the GPU, ``common._tf32``'s bit form gives the bits of ``cvt.rna.tf32.f32`` on every case, ties and carries
     into the exponent included (the instruction it replaces in ``_intra_chunk``)."""
     x = _tf32_cases("cuda")
     got, want = _elementwise(_tf32_kernel, x), _elementwise(_cvt_rna_kernel, x)
@@ -752,7 +739,7 @@ def test_gpu_matches_reference(seed, scan_layout, B, T, H, K, V, dtype):
 @pytest.mark.gpu
 @gpu
 def test_gpu_float32_inputs_reach_float32_accuracy(seed, scan_layout):
-    """float32 inputs multiply in 3xTF32 (chunk._dot), documented as float32 accuracy: the interpreter tests'
+    """float32 inputs multiply in 3xTF32 (common._dot), documented as float32 accuracy: the interpreter tests'
     float32 tolerance must hold on the GPU too (single TF32 products would miss it by ~100x)."""
     assert_errors(run_both(make_inputs(1, 300, 2, 128, 128, dtype=torch.float32, device="cuda")), TOL_F32)
 
@@ -760,7 +747,7 @@ def test_gpu_float32_inputs_reach_float32_accuracy(seed, scan_layout):
 @pytest.mark.gpu
 @gpu
 def test_gpu_float32_inputs_at_k256_with_many_heads(seed):
-    """float32 inputs at K = V = 256 over 96 sequence-heads, where ``chunk._scan_plan`` would pick the transposed
+    """float32 inputs at K = V = 256 over 96 sequence-heads, where ``plan._scan_plan`` would pick the transposed
     scans for bf16: they, and the plain scans in 3 pipeline stages, need more shared memory than an H200 block has
     (kernel_resources.py); the plain scans in 2 stages launch and reach float32 accuracy."""
     assert_errors(run_both(make_inputs(1, 100, 96, 256, 256, dtype=torch.float32, device="cuda")), TOL_F32)
@@ -808,22 +795,20 @@ def test_gpu_fused_gate_and_l2norm(seed, K):
 def test_gpu_dense_metadata_first_built_in_a_graph_capture(seed):
     """Chunk metadata made while a CUDA graph is captured holds its values only when the graph replays; an eager
     call of the same shape after the capture must not be handed those tensors (it gets ones built eagerly)."""
-    from k3lit.kernels.kda import chunk
-
     dev = torch.device("cuda", torch.cuda.current_device())
     B, T, C = 3, 203, 32  # a shape no other test uses: the capture builds the first copy
-    chunk._dense_meta.cache_clear()
+    index._dense_meta.cache_clear()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = chunk.chunk_meta(None, B, T, C, dev)
-    eager = chunk.chunk_meta(None, B, T, C, dev)
+        captured = index.chunk_meta(None, B, T, C, dev)
+    eager = index.chunk_meta(None, B, T, C, dev)
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(captured[:3], eager[:3]))
     n_per = -(-T // C)
     assert torch.equal(eager[0].cpu(), torch.arange(B + 1) * T) and eager[3] == B * n_per
     assert torch.equal(eager[1].cpu(), torch.stack([torch.arange(B).repeat_interleave(n_per),
                                                     torch.arange(n_per).repeat(B)], 1).int())
-    assert chunk.chunk_meta(None, B, T, C, dev)[1] is eager[1]  # cached outside a capture
+    assert index.chunk_meta(None, B, T, C, dev)[1] is eager[1]  # cached outside a capture
 
 
 @pytest.mark.gpu
@@ -833,13 +818,13 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
     """On CUDA each pipeline segment's scan runs on a side stream: a missing wait between the streams would show
     as a result that differs from the one-pass forward (bit-identical otherwise), in eager calls and in a CUDA
     graph that captured the streams (replayed on fresh inputs); likewise the backward's gradients."""
-    from k3lit.kernels.kda import chunk, kda_triton
+    from k3lit.kernels.kda import kda_triton
 
     inputs = make_inputs(2, 4000, 4, 128, 128, dtype=torch.bfloat16, device="cuda")  # 125 chunks per sequence
     fresh = make_inputs(2, 4000, 4, 128, 128, dtype=torch.bfloat16, device="cuda")
     results = []
     for P in (1, 4):
-        monkeypatch.setitem(chunk.TUNING, "fwd_segments", P)
+        monkeypatch.setitem(plan.TUNING, "fwd_segments", P)
         xs = [x.clone() for x in inputs]
 
         def fwd(xs=xs):
@@ -862,7 +847,7 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
         assert torch.equal(a, b)
     grads = []
     for P in (1, 4):  # the backward's pipeline, eagerly
-        monkeypatch.setitem(chunk.TUNING, "bwd_segments", P)
+        monkeypatch.setitem(plan.TUNING, "bwd_segments", P)
         xs = [x.detach().clone().requires_grad_() for x in inputs]
         o, ht = kda_triton(*xs[:5], None, xs[5], True)
         (o.float().square().sum() + ht.sum()).backward()
@@ -880,12 +865,10 @@ def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, mo
                                      dict(inverse_block=8)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_forward_variants(seed, monkeypatch, variant, fused):
-    """The forward alternatives of ``chunk.TUNING``, at bf16 within docs/MATH.md's tolerances (K = V = 256 for the
+    """The forward alternatives of ``plan.TUNING``, at bf16 within docs/MATH.md's tolerances (K = V = 256 for the
     plain scan's fused output, else 128)."""
-    from k3lit.kernels.kda import chunk
-
     for key, value in variant.items():
-        monkeypatch.setitem(chunk.TUNING, key, value)
+        monkeypatch.setitem(plan.TUNING, key, value)
     D = 256 if "fwd_plain_out" in variant else 128
     if fused:
         err = run_fused(2, 600, 2, D, D, dtype=torch.bfloat16, device="cuda")

@@ -23,7 +23,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     rows = json.loads(out.read_text())
     compiled = {(r["config"], r["name"]) for r in rows}
-    # the scan kernels each shape gets from chunk._scan_plan (transposed from 64 / 96 sequence-heads)
+    # the scan kernels each shape gets from plan._scan_plan (transposed from 64 / 96 sequence-heads)
     plain_fwd, transposed_fwd = ("_scan_fwd", "_out_fwd"), ("_scan_fwd_t",)
     kda_scans = {
         "KDA K=V=128": (*transposed_fwd, "_scan_bwd"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lit.ops.kda.validate import rebase_row, split_varlen
+from k3lit.kernels.kda_validate import rebase_row, split_varlen
 
 
 def _pad_time(x: torch.Tensor, total: int) -> torch.Tensor:
@@ -85,7 +85,7 @@ def kda_chunk(
     """Chunked KDA forward; autograd supplies the backward. Shapes as :func:`k3lit.ops.kda`.
 
     Computes in float64 for float64 inputs and in float32 otherwise, autocast off (under fp16 autocast the
-    rebased exponentials, up to e^87, overflowed the matrix products); o is returned in v's dtype and the final
+    rebased exponentials, up to e^87, would overflow the matrix products); o is returned in v's dtype and the final
     state in the compute dtype.
     """
     kind = q.device.type

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lit.ops.kda.validate import check_inputs, split_varlen
+from k3lit.kernels.kda_validate import check_inputs, split_varlen
 
 
 def kda_reference(

@@ -1,4 +1,6 @@
-"""Shape, dtype and numeric-range checks shared by every KDA backend."""
+"""Shape, dtype and numeric-range checks shared by every KDA backend: the Triton kernels (``k3lit.kernels.kda``)
+and the PyTorch forms (``k3lit.ops.kda``), which import them from here. Imports no Triton, so the PyTorch forms
+work where Triton is not installed."""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""Chunk index tables of the packed layout the KDA launchers work on.
+
+Every launcher works on a packed layout ``[1, T_total, H, X]``; a dense ``[B, T]`` batch is the packed batch
+with ``cu_seqlens = [0, T, 2T, ...]``. Chunk metadata: ``chunk_idx [NC, 2]`` = (sequence, chunk in the
+sequence) for every chunk, ``chunk_off [N + 1]`` = first global chunk of each sequence. Per-chunk buffers
+(states) are allocated with the static upper bound ``T_total // C + N`` rows (:func:`max_chunks`) so that their
+shapes never depend on the values of ``cu_seqlens`` (torch.compile's fake tensors need that).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def chunk_meta(
+    cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Packed-layout chunk metadata.
+
+    Returns ``(cu [N + 1] int64, chunk_idx [NC, 2] int32, chunk_off [N + 1] int32, NC)``. For a dense batch
+    (``cu_seqlens`` None) it is built without reading device memory and cached per (B, T, C, device, stream):
+    the tensors are shared by every call with that key, so callers must only read them. During CUDA graph
+    capture it is built afresh (a table made inside a capture holds its values only when the graph replays);
+    for a packed batch it reads the lengths.
+    """
+    if cu_seqlens is None:
+        if device.type != "cuda":
+            return _dense_meta(B, T, C, device, 0)
+        if torch.cuda.is_current_stream_capturing():
+            return _dense_meta.__wrapped__(B, T, C, device, 0)
+        return _dense_meta(B, T, C, device, torch.cuda.current_stream(device).cuda_stream)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    n_chunks = (cu[1:] - cu[:-1] + C - 1) // C
+    off = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)]).to(torch.int32)
+    nc = int(off[-1].item())
+    seq = torch.repeat_interleave(torch.arange(len(n_chunks), device=device, dtype=torch.int32), n_chunks,
+                                  output_size=nc)
+    pos = torch.arange(nc, device=device, dtype=torch.int32) - off[:-1].long()[seq.long()].to(torch.int32)
+    return cu, torch.stack([seq, pos], 1).contiguous(), off, nc
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_meta(B: int, T: int, C: int, device: torch.device, stream: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_meta` of a dense batch, built once per (B, T, C, device, stream): every KDA call of a training
+    step (forward, backward, recomputation) reuses it instead of launching ~10 small kernels. The kernels only read
+    it. ``stream`` (the CUDA stream's handle, 0 elsewhere) is only part of the key: a kernel on another stream
+    gets its own copy instead of one whose building it is not ordered after."""
+    n_per = triton.cdiv(T, C)
+    cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+    seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n_per)
+    pos = torch.arange(n_per, device=device, dtype=torch.int32).repeat(B)
+    off = torch.arange(0, B + 1, device=device, dtype=torch.int32) * n_per
+    return cu, torch.stack([seq, pos], 1).contiguous(), off, B * n_per
+
+
+def max_chunks(T_total: int, N: int, C: int) -> int:
+    """Static upper bound on the number of chunks of a packed batch (each sequence adds one partial chunk)."""
+    return T_total // C + N
