@@ -4,7 +4,7 @@ folders.
 Built-in corpora need no download: ``"stdlib"`` (:func:`stdlib_files`) is the standard library's ``.py`` files
 without tests, about 12 MB, for CPU runs; ``"python"`` (:mod:`k3lit.data.python_corpus`) is every ``.py``,
 ``.pyi``, ``.md`` and ``.rst`` file of the interpreter's installation (standard library with tests and the
-installed packages), filtered and deduplicated, about 190 MB with this project's dependencies, for GPU runs.
+installed packages), filtered and deduplicated, about 195 MB with this project's dependencies, for GPU runs.
 
 A corpus is a sorted list of :class:`CorpusFile`. Each file holds documents: a text file is one document, a
 ``.jsonl`` file one document per line (field ``"text"``), a ``.parquet`` file one per row (column ``"text"``).
