@@ -21,8 +21,9 @@ def test_report_rows_and_tokens(tmp_path):
     files = [int(r.split(" | ")[1]) for r in rows]
     assert sum(files) == 12 and min(files) >= 1 and "12 files" in plain
     report = corpus_report(corpus, 0.25, ["val"], tokenizer="byte", cache_dir=str(tmp_path / "cache"))
-    head, row = report.splitlines()[0], report.splitlines()[2]
+    head, row, train_row = report.splitlines()[0], report.splitlines()[2], report.splitlines()[3]
     assert "tokens (byte)" in head and "Prepare (byte" in report
+    assert train_row.startswith("| train | ") and train_row.endswith(" — | — |")  # not compressed
     cells = [c.strip() for c in row.strip("|").split("|")]
     n_files, n_tokens = int(cells[1]), int(cells[3].replace(",", ""))
     assert cells[0] == "val" and n_files == files[0]
