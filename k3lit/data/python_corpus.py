@@ -114,7 +114,7 @@ def _is_project_entry(name: str, top_level: bool) -> bool:
 
 
 def _walk(root: SourceRoot) -> tuple[list[tuple[str, Path, int]], list[str]]:
-    """``(key, path, size)`` of the candidate files under ``root`` and the keys of project files, both sorted."""
+    """``(key, path, size)`` of the candidate files under ``root`` and the keys of project entries, in walk order."""
     found, project = [], []
     base = root.path
     for dirpath, dirnames, filenames in os.walk(base):
