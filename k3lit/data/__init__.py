@@ -3,6 +3,7 @@
 from k3lit.data.corpus import CorpusFile, resolve_corpus, split_of, stdlib_files
 from k3lit.data.datamodule import K3DataModule
 from k3lit.data.prepare import PreparedCorpus, find_prepared, prepare_corpus
+from k3lit.data.python_corpus import python_files, scan_python_sources
 from k3lit.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, spec_vocab_size, train_bpe
 
 __all__ = [
@@ -15,7 +16,9 @@ __all__ = [
     "find_prepared",
     "load_tokenizer",
     "prepare_corpus",
+    "python_files",
     "resolve_corpus",
+    "scan_python_sources",
     "spec_vocab_size",
     "split_of",
     "stdlib_files",

@@ -16,14 +16,16 @@ a half-written cache entry (the leftover build folder is removed by the next pre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import tokenizers
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from k3lit.data.corpus import CorpusFile, Split, doc_hash, iter_documents, iter_split, resolve_corpus, split_cut
 from k3lit.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, parse_tokenizer_spec
@@ -136,11 +139,22 @@ class _TokenizeFile:
     """``litdata.optimize`` worker function: file index -> token arrays of its documents in one split.
 
     Picklable (a plain object with paths and ints), so it works with the ``spawn`` start method; the tokenizer
-    is loaded once per worker process.
+    is loaded once per worker process. With ``done_path`` each finished file appends one byte to that file, which
+    the preparing process reads for its progress bar (any start method, any number of workers).
     """
 
-    def __init__(self, files: list[CorpusFile], split: Split, cut: int, spec: str, root: str, dtype: str) -> None:
+    def __init__(
+        self,
+        files: list[CorpusFile],
+        split: Split,
+        cut: int,
+        spec: str,
+        root: str,
+        dtype: str,
+        done_path: str | None = None,
+    ) -> None:
         self.files, self.split, self.cut, self.spec, self.root, self.dtype = files, split, cut, spec, root, dtype
+        self.done_path = done_path
         self._tok: Tokenizer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -156,6 +170,39 @@ class _TokenizeFile:
             for ids in self._tok.encode_batch(texts[start : start + 256]):
                 ids.append(eos)
                 yield np.asarray(ids, dtype=self.dtype)
+        if self.done_path is not None:
+            with open(self.done_path, "ab") as f:
+                f.write(b"\0")
+
+
+@contextlib.contextmanager
+def _files_progress(description: str, total: int, done_path: Path, enabled: bool) -> Iterator[None]:
+    """A rich progress bar of ``total`` files while the body runs, advanced by the size of ``done_path`` (bytes
+    appended by :class:`_TokenizeFile`). Does nothing unless ``enabled``."""
+    if not enabled:
+        yield
+        return
+    def done() -> int:
+        return done_path.stat().st_size if done_path.exists() else 0
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns) as bar:
+        task = bar.add_task(description, total=total)
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(0.25):
+                bar.update(task, completed=done())
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            poller.join()
+            bar.update(task, completed=done())
 
 
 def _remove_stale_builds(cache_dir: Path) -> None:
@@ -236,7 +283,8 @@ def prepare_corpus(
             torch's thread pool up is safe), else ``"spawn"`` (about 5 s per split to start, and the calling
             script needs an ``if __name__ == "__main__":`` guard).
         force: rebuild even if a finished entry exists.
-        verbose: print one line about what was done.
+        verbose: print the corpus size before, a progress bar of the files tokenized per split (rich; on a
+            terminal also the BPE trainer's bars) and one line about what was done.
 
     Returns:
         The entry. ``meta`` holds ``format_version``, ``key``, ``corpus`` (the spec), ``n_files``, ``tokenizer``
@@ -279,15 +327,26 @@ def prepare_corpus(
                 s["n_documents"] += 1
 
         kind, _ = parse_tokenizer_spec(tokenizer)
+        if verbose:
+            sizes = ", ".join(f"{s} {v['n_bytes'] / 1e6:,.1f} MB ({v['n_documents']:,} docs)" for s, v in stats.items())
+            training = "; training the BPE on the train split" if kind == "bpe" else ""
+            print(f"k3lit prepare: {len(files):,} files: {sizes}{training}", flush=True)
         tok = load_tokenizer(
             tokenizer,
             bpe_path=build / "tokenizer.json" if kind == "bpe" else None,
             train_texts=iter_split(files, "train", cut) if kind == "bpe" else None,
+            show_progress=verbose and sys.stderr.isatty(),
         )
         dtype = _token_dtype(tok.vocab_size)
         for split in SPLITS:
-            fn = _TokenizeFile(files, split, cut, tokenizer, str(build), dtype.name)
-            _optimize_split(fn, list(range(len(files))), build / split, prepare_workers, start_method)
+            done_path = build / f".done-{split}"
+            fn = _TokenizeFile(
+                files, split, cut, tokenizer, str(build), dtype.name, str(done_path) if verbose else None
+            )
+            label = f"tokenizing {split} ({prepare_workers} worker{'s' if prepare_workers > 1 else ''})"
+            with _files_progress(label, len(files), done_path, verbose):
+                _optimize_split(fn, list(range(len(files))), build / split, prepare_workers, start_method)
+            done_path.unlink(missing_ok=True)
             stats[split]["n_tokens"] = _count_tokens(build / split)
 
         meta = {

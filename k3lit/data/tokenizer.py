@@ -151,7 +151,9 @@ class HFTokenizer(Tokenizer):
         return self._fingerprint
 
 
-def train_bpe(texts: Iterable[str] | Iterator[str], vocab_size: int, path: str | os.PathLike) -> HFTokenizer:
+def train_bpe(
+    texts: Iterable[str] | Iterator[str], vocab_size: int, path: str | os.PathLike, show_progress: bool = False
+) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style pre-tokenization) and save it as a ``tokenizers`` JSON file.
 
     The vocabulary holds the 256 byte symbols, the end-of-document token :data:`EOS_TOKEN` (id 0) and up to
@@ -162,6 +164,7 @@ def train_bpe(texts: Iterable[str] | Iterator[str], vocab_size: int, path: str |
         texts: documents (one string each); consumed once.
         vocab_size: requested vocabulary size, at least 257.
         path: where to write the JSON; written atomically (temporary file, then rename).
+        show_progress: show the ``tokenizers`` trainer's progress bars (stderr, on a terminal only).
 
     Returns:
         The trained tokenizer, loaded from ``path``.
@@ -181,7 +184,7 @@ def train_bpe(texts: Iterable[str] | Iterator[str], vocab_size: int, path: str |
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     path = Path(path)
@@ -247,7 +250,10 @@ def spec_vocab_size(spec: str) -> int:
 
 
 def load_tokenizer(
-    spec: str, bpe_path: str | os.PathLike | None = None, train_texts: Iterable[str] | None = None
+    spec: str,
+    bpe_path: str | os.PathLike | None = None,
+    train_texts: Iterable[str] | None = None,
+    show_progress: bool = False,
 ) -> Tokenizer:
     """Build the tokenizer named by ``spec``.
 
@@ -256,6 +262,7 @@ def load_tokenizer(
         bpe_path: for ``bpe:N`` only: where the trained tokenizer lives (``prepare`` puts it in the data cache).
             Loaded if it exists, otherwise trained on ``train_texts`` and saved there.
         train_texts: for ``bpe:N`` only: documents to train on when ``bpe_path`` does not exist yet.
+        show_progress: for ``bpe:N`` only: show the trainer's progress bars while training.
 
     Raises:
         ValueError: bad spec; or ``bpe:N`` with neither an existing ``bpe_path`` nor ``train_texts``.
@@ -273,4 +280,4 @@ def load_tokenizer(
             f"Tokenizer {spec!r} is trained on the corpus: run `k3lit prepare` (or `prepare_corpus`) first, or pass "
             "both `bpe_path` and `train_texts`."
         )
-    return train_bpe(train_texts, int(arg), bpe_path)  # type: ignore[arg-type]
+    return train_bpe(train_texts, int(arg), bpe_path, show_progress)  # type: ignore[arg-type]

@@ -102,3 +102,11 @@ def test_stdlib_prepare(stdlib_prepared):
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     assert tr["n_tokens"] > 1_000_000 and va["n_tokens"] > 50_000 and va["n_documents"] >= 10
     assert 0.99 < stdlib_prepared.bytes_per_token("val") <= 1.0
+
+
+def test_verbose_prepare_shows_progress_and_leaves_no_counters(text_corpus, tmp_path, capsys):
+    p = prepare_corpus(str(text_corpus), "byte", cache_dir=tmp_path / "cache", val_fraction=0.25, prepare_workers=2)
+    out = capsys.readouterr().out
+    assert "24 files: train" in out and "tokenizing train (2 workers)" in out and "tokenizing val" in out
+    assert "24/24" in out  # the bar reached every file of the corpus in each split
+    assert not list(p.root.rglob(".done-*")) and f"-> {p.root}" in out
