@@ -1,0 +1,39 @@
+"""Messages from Lightning and its dependencies that a k3lit user cannot act on, kept out of ``k3lit`` runs.
+
+* Lightning's tips to install ``litlogger`` / ``litmodels`` (log records starting with the tip marker);
+* deprecation warnings raised inside Lightning's own code (``DeprecationWarning`` and ``FutureWarning`` attributed
+  to a ``lightning`` module: e.g. its use of torch's deprecated ``LeafSpec``): only a Lightning release fixes them;
+* "Your `IterableDataset` has `__len__` defined": litdata's ``StreamingDataset`` is an ``IterableDataset`` with a
+  length, and it gives every dataloader worker its own share of the chunks (the case the warning is about cannot
+  occur).
+
+Other warnings pass: :func:`quiet_third_party` filters only these.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+__all__ = ["quiet_third_party"]
+
+TIP_MARKER = "💡 Tip:"
+# Lightning's rank-zero messages come through one of these loggers (whichever Lightning package was imported last).
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TIP_MARKER)
+
+
+_DROP_TIPS = _DropTips()
+
+
+def quiet_third_party() -> None:
+    """Install the filters (process-wide; calling again adds nothing)."""
+    for name in RANK_ZERO_LOGGERS:
+        logging.getLogger(name).addFilter(_DROP_TIPS)
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(lightning|pytorch_lightning|lightning_fabric)\.")
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
