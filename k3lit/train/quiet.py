@@ -5,7 +5,12 @@
   to a ``lightning`` module: e.g. its use of torch's deprecated ``LeafSpec``): only a Lightning release fixes them;
 * "Your `IterableDataset` has `__len__` defined": litdata's ``StreamingDataset`` is an ``IterableDataset`` with a
   length, and it gives every dataloader worker its own share of the chunks (the case the warning is about cannot
-  occur).
+  occur);
+* "It is recommended to use `self.log('val/...', ..., sync_dist=True)`": K3LitModule's validation values are
+  torchmetrics results, already reduced over all ranks when logged (``sync_dist`` would add one all-reduce per
+  value: per expert and layer for ``val/expert_frac``);
+* torch distributed checkpoint's "Detected an existing checkpoint in ..., overwriting": a sharded
+  ``last.ckpt`` is one folder that every save rewrites, by design.
 
 Other warnings pass: :func:`quiet_third_party` filters only these.
 """
@@ -37,3 +42,5 @@ def quiet_third_party() -> None:
     for category in (DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category, module=r"(lightning|pytorch_lightning|lightning_fabric)\.")
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
