@@ -177,13 +177,16 @@ class RunSummary(Callback):
         return rows
 
     def _mfu(self, trainer: L.Trainer, train_seconds: float) -> str:
-        peak = next((m.available_flops for m in trainer.callbacks if isinstance(m, K3ThroughputMonitor)), None)
-        peak = peak or peak_flops(trainer.strategy.root_device, compute_dtype(trainer.precision))
+        monitor = next((m for m in trainer.callbacks if isinstance(m, K3ThroughputMonitor)), None)
+        if monitor is not None:  # its peak (or its override); asking again would repeat an unknown chip's warning
+            peak = monitor.available_flops
+        else:
+            peak = peak_flops(trainer.strategy.root_device, compute_dtype(trainer.precision))
         if not peak:
             return f"unknown (no peak FLOP/s known for {trainer.strategy.root_device.type})"
         if not self._flops:
             return "unknown (no FLOPs count for this model)"
-        return f"{100 * self._flops / (train_seconds * peak):.1f}% (of {peak / 1e12:.0f} TFLOP/s per device)"
+        return f"{100 * self._flops / (train_seconds * peak):.1f}% (of {peak / 1e12:.4g} TFLOP/s per device)"
 
     def _same_bytes(self, trainer: L.Trainer) -> str | None:
         """Model, gzip and xz bits per byte on the validation blocks' own text (None where not computable)."""

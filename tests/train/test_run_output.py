@@ -8,9 +8,11 @@ import sys
 from io import StringIO
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from k3lit.cli import K3CLI
+from k3lit.train.flops import training_flops_per_token
 from k3lit.train.progress import StepProgressBar
 from k3lit.train.summary import RunSummary
 
@@ -64,8 +66,9 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
 
 def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_path, stdlib_cache, monkeypatch):
     monkeypatch.chdir(ROOT)
-    args = fit_args(tmp_path, stdlib_cache, 4, 2)[1:] + ["--trainer.accumulate_grad_batches=2",
-                                                         "--trainer.callbacks+=k3lit.train.progress.StepProgressBar"]
+    args = fit_args(tmp_path, stdlib_cache, 4, 2)[1:] + [
+        "--trainer.accumulate_grad_batches=2", "--trainer.callbacks+=k3lit.train.progress.StepProgressBar",
+        "--trainer.callbacks+=k3lit.train.callbacks.K3ThroughputMonitor", "--trainer.callbacks.available_flops=1e9"]
     cli = K3CLI(args=args, run=False)
     bar = next(c for c in cli.trainer.callbacks if isinstance(c, StepProgressBar))
     summary = next(c for c in cli.trainer.callbacks if isinstance(c, RunSummary))
@@ -80,3 +83,9 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     assert "k3lit fit: max_steps reached at step 4" in text
     assert all(f"{label} " in text for label, _ in summary.rows)
     assert [label for label, _ in summary.rows] == list(SUMMARY_FIELDS)
+    rows = dict(summary.rows)
+    assert rows["tokens"] == f"{4 * 2 * 2 * 32:,} (this run)"  # 4 steps of 2 micro-batches of [2, 32]
+    tokens_per_s = float(rows["tokens/s"].split()[0].replace(",", ""))
+    mfu = re.fullmatch(r"([\d.]+)% \(of 0.001 TFLOP/s per device\)", rows["MFU"])  # the monitor's 1e9 FLOP/s
+    flops_per_token = training_flops_per_token(cli.model.model_config, 32)
+    assert mfu and float(mfu.group(1)) == pytest.approx(100 * tokens_per_s * flops_per_token / 1e9, rel=0.02, abs=0.06)
