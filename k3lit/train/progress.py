@@ -42,8 +42,9 @@ class Horizon:
         end_step: the step the run is expected to end at: ``max_steps`` (or the steps ``max_epochs`` allow), or,
             when ``max_time`` comes first, the step reached at the current pace when the time is up; None when
             nothing bounds the run (or the pace is not known yet and only ``max_time`` does).
-        seconds_left: wall time until the end at the current pace (``max_time``'s remaining time when that comes
-            first); None until the pace is known (and without ``max_time``).
+        seconds_left: wall time until the end at the current pace; when ``max_time`` comes first, its remaining
+            time plus the validation Lightning runs once the time is up (as long as the last one took); None until
+            the pace is known (and without ``max_time``).
         limit: what ends the run: ``"max_steps"``, ``"max_epochs"``, ``"max_time"``, or None.
     """
 
@@ -68,11 +69,24 @@ class Horizon:
 class StepPace:
     """Wall seconds per optimizer step of this process's training, measured from the first step it is told of
     (the end of the first step: its start-up, compilation and worker start, is left out) and including
-    everything since (periodic validation and checkpoints too, which the rest of the run also pays)."""
+    everything since (periodic validation and checkpoints too, which the rest of the run also pays); and the
+    wall seconds of the latest validation pass (:attr:`validation_seconds`)."""
 
     def __init__(self) -> None:
         self._start: tuple[float, int] | None = None
+        self._validation_start: float | None = None
         self.seconds_per_step: float | None = None
+        self.validation_seconds: float | None = None
+
+    def validation_started(self, now: float | None = None) -> None:
+        """A validation pass starts (at ``now``, ``time.monotonic()`` by default)."""
+        self._validation_start = time.monotonic() if now is None else now
+
+    def validation_ended(self, now: float | None = None) -> None:
+        """The validation pass started last ends: its duration becomes :attr:`validation_seconds`."""
+        if self._validation_start is not None:
+            self.validation_seconds = (time.monotonic() if now is None else now) - self._validation_start
+            self._validation_start = None
 
     def update(self, step: int, now: float | None = None) -> None:
         """Record that ``step`` optimizer steps are done at time ``now`` (``time.monotonic()`` by default)."""
@@ -90,10 +104,12 @@ def _step_limit(trainer: L.Trainer) -> tuple[int | None, str | None]:
     return (None, None) if math.isinf(total) else (int(total), "max_epochs")
 
 
-def run_horizon(trainer: L.Trainer, seconds_per_step: float | None) -> Horizon:
+def run_horizon(trainer: L.Trainer, seconds_per_step: float | None,
+                validation_seconds: float | None = None) -> Horizon:
     """Where ``trainer``'s run will end at ``seconds_per_step`` (None: not known yet), from ``max_steps`` (or
     ``max_epochs``) and the time ``max_time`` leaves (Lightning's :class:`~lightning.pytorch.callbacks.Timer`,
-    which counts a resumed run's earlier time too)."""
+    which counts a resumed run's earlier time too). When the time is up Lightning validates once more, outside
+    ``max_time``: ``validation_seconds`` (the latest pass; None: none seen) is added to the time left then."""
     step = trainer.global_step
     cap, limit = _step_limit(trainer)
     timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
@@ -104,7 +120,7 @@ def run_horizon(trainer: L.Trainer, seconds_per_step: float | None) -> Horizon:
         end = None if not seconds_per_step else step + int(remaining / seconds_per_step)
         if end is not None and cap is not None:
             end = min(end, cap)
-        return Horizon(step, end, remaining, "max_time")
+        return Horizon(step, end, remaining + (validation_seconds or 0.0), "max_time")
     return Horizon(step, cap, steps_time, limit)
 
 
@@ -146,7 +162,7 @@ class ProgressLines(ProgressBar):
         self._enabled = True
 
     def _line(self, trainer: L.Trainer, prefix: str) -> str:
-        horizon = run_horizon(trainer, self.pace.seconds_per_step)
+        horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
         metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
         parts = [horizon.steps_text()] + [f"{k} {v:.4g}" for k, v in sorted(metrics.items())]
         if prefix == "train/":
@@ -168,9 +184,16 @@ class ProgressLines(ProgressBar):
             rank_zero_info(self._line(trainer, "train/"))
 
     @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.pace.validation_started()
+
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._enabled and not trainer.sanity_checking:
-            rank_zero_info(self._line(trainer, "val/"))
+        if not trainer.sanity_checking:
+            self.pace.validation_ended()
+            if self._enabled:
+                rank_zero_info(self._line(trainer, "val/"))
 
 
 def _short(name: str) -> str:
@@ -248,7 +271,7 @@ class StepProgressBar(ProgressBar):
     def _refresh_train(self, trainer: L.Trainer) -> None:
         if self._progress is None or self._train is None:
             return
-        horizon = run_horizon(trainer, self.pace.seconds_per_step)
+        horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
         self._progress.update(self._train, completed=horizon.step, total=horizon.end_step,
                               info=self._info(trainer, horizon))
 
@@ -282,6 +305,7 @@ class StepProgressBar(ProgressBar):
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
+            self.pace.validation_started()
             self._eval_start(trainer, "validate")
 
     @override
@@ -298,6 +322,7 @@ class StepProgressBar(ProgressBar):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
+            self.pace.validation_ended()
             self._eval_end()
             self._refresh_train(trainer)  # with the new val/ metrics
 

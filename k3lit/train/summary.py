@@ -6,16 +6,18 @@
       wall time      0:09:00 (validation 0:00:29)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
-      held-out bpb   2.412 (val/bpb at step 1000)
-      same bytes     model 2.751 · gzip -9 1.724 · xz -9e 1.243 bits/byte (the 320 validation blocks, 227,404 bytes)
+      held-out bpb   2.412 (val/bpb at step 1000, over the split's 3.168 bytes/token)
+      same bytes     model 2.751 · gzip -9 1.724 · xz -9e 1.243 bits/byte on the 320 validation blocks (227,404
+                     bytes, 2.765 bytes/token)
       MaxVio_global  layer0 0.23 · layer1 0.26 · layer2 0.43 · layer3 0.98 · layer4 0.57
       checkpoint     runs/tiny/checkpoints/last.ckpt
       plots          runs/tiny/expert_load/step0001000.png (TensorBoard: tensorboard --logdir runs/tiny)
       sample         k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt
 
 A rich table on a terminal, plain log lines otherwise (as :class:`~k3lit.train.progress.ProgressLines`). Rank
-zero only. ``val/bpb`` divides the validation loss by the held-out split's mean bytes per token; the "same bytes"
-row measures the model and the compressors on the validation blocks' own text
+zero only. ``val/bpb`` divides the validation loss by the held-out split's mean bytes per token, while a validation
+pass with ``limit_val_batches`` reads only the split's first blocks, whose bytes per token may differ; the "same
+bytes" row measures the model and the compressors on the text of those blocks
 (:mod:`k3lit.train.reference_bpb`; single-process runs: the very blocks validated, several processes: as many
 blocks from the split's start as rank zero validated).
 """
@@ -166,7 +168,11 @@ class RunSummary(Callback):
         if bpb is None or self._val_step is None:
             rows.append(("held-out bpb", "no validation ran"))
         else:
-            rows.append(("held-out bpb", f"{float(bpb):.4g} (val/bpb at step {self._val_step})"))
+            dm = getattr(trainer, "datamodule", None)
+            split = ""
+            if isinstance(dm, K3DataModule):
+                split = f", over the split's {dm.val_bytes_per_token:.4g} bytes/token"
+            rows.append(("held-out bpb", f"{float(bpb):.4g} (val/bpb at step {self._val_step}{split})"))
             if (same := self._same_bytes(trainer)) is not None:
                 rows.append(("same bytes", same))
         vio = sorted((int(k.rsplit("layer", 1)[1]), float(v)) for k, v in metrics.items()
@@ -196,7 +202,8 @@ class RunSummary(Callback):
         ref = reference_bpb(dm.prepared, dm.seq_len, self._val_blocks)
         model = float(loss) * self._val_blocks * dm.seq_len / math.log(2) / ref["bytes"]
         return (f"model {model:.4g} · gzip -9 {ref['gzip -9']:.4g} · xz -9e {ref['xz -9e']:.4g} bits/byte "
-                f"(the {self._val_blocks} validation blocks, {ref['bytes']:,} bytes)")
+                f"on the {self._val_blocks} validation blocks ({ref['bytes']:,} bytes, "
+                f"{ref['bytes'] / (self._val_blocks * (dm.seq_len + 1)):.4g} bytes/token)")
 
     def _outputs(self, trainer: L.Trainer) -> list[tuple[str, str]]:
         rows = []

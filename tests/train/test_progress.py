@@ -36,6 +36,13 @@ def test_max_time_ends_the_run_when_it_comes_first():
     assert (h.steps_text(), h.eta_text()) == ("step 300/~540 (max_time)", "0:02:00 left")
 
 
+def test_the_validation_after_the_time_limit_counts_in_the_time_left():
+    h = run_horizon(trainer(300, 1000, seconds_left=120.0), seconds_per_step=0.5, validation_seconds=30.0)
+    assert h == Horizon(300, 540, 150.0, "max_time")
+    by_steps = run_horizon(trainer(300, 1000, seconds_left=3600.0), seconds_per_step=0.5, validation_seconds=30.0)
+    assert by_steps.seconds_left == 350.0  # periodic validations are in the pace already
+
+
 def test_unknown_pace_and_unbounded_runs():
     assert run_horizon(trainer(1, 1000, seconds_left=120.0), None) == Horizon(1, 1000, None, "max_steps")
     assert run_horizon(trainer(5, -1), 0.5) == Horizon(5, None, None, None)
@@ -54,5 +61,7 @@ def test_pace_leaves_out_the_first_step_and_counts_everything_after():
     assert pace.seconds_per_step is None
     pace.update(3, now=102.0)
     assert pace.seconds_per_step == pytest.approx(1.0)
+    pace.validation_started(now=103.0)
+    pace.validation_ended(now=109.0)
     pace.update(5, now=110.0)  # a validation in between slows the average down, as it will later on
-    assert pace.seconds_per_step == pytest.approx(2.5)
+    assert pace.seconds_per_step == pytest.approx(2.5) and pace.validation_seconds == pytest.approx(6.0)

@@ -48,9 +48,10 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     fields = dict(re.findall(r"^  (\S[\w/ -]*?)\s{2,}(.+)$", block, re.M))
     assert all(f in fields for f in SUMMARY_FIELDS), fields
     assert fields["steps"] == "6" and fields["tokens"] == f"{6 * 2 * 32:,} (this run)"
-    assert fields["held-out bpb"].endswith("(val/bpb at step 6)")
-    assert re.fullmatch(r"model [\d.]+ · gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte \(the 4 validation blocks, "
-                        r"[\d,]+ bytes\)", fields["same bytes"])
+    assert re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the split's 1 bytes/token\)", fields["held-out bpb"])
+    same = re.fullmatch(r"model ([\d.]+) · gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the 4 validation blocks "
+                        r"\(([\d,]+) bytes, ([\d.]+) bytes/token\)", fields["same bytes"])
+    assert same and int(same.group(2).replace(",", "")) == round(float(same.group(3)) * 4 * 33)
     assert re.fullmatch(r"layer0 [\d.]+ · layer1 [\d.]+", fields["MaxVio_global"])  # tiny: 3 layers, 1 dense
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     assert fields["checkpoint"] == str(ckpt) and fields["sample"] == f"k3lit generate --ckpt {ckpt}"
