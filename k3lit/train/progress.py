@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, Timer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
@@ -162,7 +163,10 @@ class ProgressLines(ProgressBar):
         self._enabled = True
 
     def _line(self, trainer: L.Trainer, prefix: str) -> str:
-        horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
+        if trainer.state.fn == TrainerFn.FITTING:
+            horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
+        else:  # `k3lit validate`: no run to the end of
+            horizon = Horizon(trainer.global_step, None, None, None)
         metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
         parts = [horizon.steps_text()] + [f"{k} {v:.4g}" for k, v in sorted(metrics.items())]
         if prefix == "train/":

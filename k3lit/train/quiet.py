@@ -10,7 +10,10 @@
   torchmetrics results, already reduced over all ranks when logged (``sync_dist`` would add one all-reduce per
   value: per expert and layer for ``val/expert_frac``);
 * torch distributed checkpoint's "Detected an existing checkpoint in ..., overwriting": a sharded
-  ``last.ckpt`` is one folder that every save rewrites, by design.
+  ``last.ckpt`` is one folder that every save rewrites, by design;
+* "callbacks used to create the checkpoint need to be provided", when the only ones it names are k3lit's
+  ``LastCheckpoint`` (whose state key holds its interval, so another ``val_check_interval`` or ``k3lit validate``
+  names it; it keeps nothing a resumed run needs) and Lightning's ``Timer`` (absent when ``max_time`` is lifted).
 
 Other warnings pass: :func:`quiet_third_party` filters only these.
 """
@@ -44,3 +47,6 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
     warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
+    ours = r"""['"](LastCheckpoint\{[^}]*\}|Timer)['"]"""
+    warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create the "
+                            rf"checkpoint need to be provided .*: \[{ours}(, {ours})*\]\.$")

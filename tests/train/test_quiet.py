@@ -5,6 +5,8 @@ import warnings
 
 from k3lit.train.quiet import quiet_third_party
 
+AWARE = ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided during "
+         "`Trainer` instantiation. Please add the following callbacks: ")
 NOISE = [
     ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "lightning.pytorch.utilities._pytree"),
     ("some API is deprecated", DeprecationWarning, "lightning.fabric.utilities.throughput"),
@@ -12,11 +14,16 @@ NOISE = [
     ("It is recommended to use `self.log('val/loss', ..., sync_dist=True)` when ...", UserWarning, "lightning.x"),
     ("Detected an existing checkpoint in runs/x/checkpoints/last.ckpt, overwriting since self.overwrite=True.",
      UserWarning, "torch.distributed.checkpoint.filesystem"),
+    (AWARE + """["LastCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 3}", 'Timer'].""",
+     UserWarning, "lightning.pytorch.trainer.call"),
+    (AWARE + "['Timer'].", UserWarning, "lightning.pytorch.trainer.call"),
 ]
 KEPT = [
     ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "k3lit.model"),  # ours: to be fixed, not hidden
     ("It is recommended to use `self.log('train/loss', ..., sync_dist=True)` when ...", UserWarning, "lightning.x"),
     ("The dirpath has changed from 'a' to 'b'", UserWarning, "lightning.pytorch.callbacks.model_checkpoint"),
+    (AWARE + "['Timer', \"EarlyStopping{'monitor': 'val/loss', 'mode': 'min'}\"].", UserWarning,
+     "lightning.pytorch.trainer.call"),  # a user's callback: the warning says what to do
 ]
 
 
