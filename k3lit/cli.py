@@ -8,8 +8,16 @@
 
 Recipes have four sections: ``model`` (:class:`~k3lit.model.ModelConfig`), ``optim``
 (:class:`~k3lit.train.optim.OptimConfig`), ``data`` (:class:`~k3lit.data.K3DataModule`) and ``trainer``.
-Unless a recipe sets them, runs log to TensorBoard and ``metrics.csv`` and keep ``checkpoints/last.ckpt``,
-all under ``trainer.default_root_dir``; the resolved config is saved beside them as ``config.yaml``.
+Unless a recipe sets them, runs log to TensorBoard and ``metrics.csv``, keep ``checkpoints/last.ckpt`` and draw
+the MoE load heatmap (``expert_load/``), all under ``trainer.default_root_dir``; the resolved config is saved
+beside them as ``config.yaml``. A run shows its progress in optimizer steps against ``max_steps`` or
+``max_time``, whichever ends it first (a live bar on a terminal, plain lines in a log), and a summary when it ends.
+
+``trainer.val_check_interval`` as an integer counts optimizer steps over the whole run, whatever an epoch's
+length (``check_val_every_n_epoch`` defaults to null; with gradient accumulation Lightning gets
+``val_check_interval x accumulate_grad_batches`` training batches); ``last.ckpt`` and the heatmap are written at
+the same interval (every 100 steps when it is not an integer) and when training ends. A fraction of an epoch, or
+an explicit ``check_val_every_n_epoch``, keeps Lightning's per-epoch meaning.
 """
 
 from __future__ import annotations
@@ -21,25 +29,40 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from k3lit import lightning_compat as compat
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
-from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, ProgressLines, SlurmRequeue
+from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
 from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_full_checkpoint
 from k3lit.train.csv_log import RunCSVLogger
+from k3lit.train.expert_plots import ExpertLoadPlots
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
+from k3lit.train.progress import ProgressLines, StepProgressBar
+from k3lit.train.quiet import quiet_third_party
+from k3lit.train.summary import RunSummary
+
+DEFAULT_EVERY_N_STEPS = 100  # checkpoint and heatmap interval when val_check_interval is no step count
+
+
+def _instantiate(parser: ArgumentParser, cfg: Any) -> Any:
+    """``parser.instantiate`` (jsonargparse >= 4.49), else its older name ``instantiate_classes``."""
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    return instantiate(cfg)
 
 
 class K3ArgumentParser(LightningArgumentParser):
@@ -65,11 +88,13 @@ class K3CLI(LightningCLI):
     ``optim`` beside it; the LightningModule is built from both after the data module fixes the vocabulary."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        quiet_third_party()
         super().__init__(
             K3LitModule,
             K3DataModule,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
+            trainer_defaults={"check_val_every_n_epoch": None},  # val_check_interval: steps over the whole run
             parser_class=K3ArgumentParser,
             args=args,
             run=run,
@@ -82,12 +107,21 @@ class K3CLI(LightningCLI):
         parser.add_class_arguments(OptimConfig, "optim")
         parser.add_lightning_class_args(K3DataModule, "data")
         parser.add_argument("--compile", type=bool, default=False, help="torch.compile each sublayer (K3LitModule)")
+        parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
+                            help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
+                                 "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")
+
+    def _value(self, config: Any, key: str, default: Any = None) -> Any:
+        """``key`` of the sub-command's section of ``config`` (or of ``config`` itself without a sub-command)."""
+        return config.get(str(self.subcommand), config).get(key, default)
 
     def instantiate_classes(self) -> None:
-        self.config_init = self.parser.instantiate_classes(self.config)
-        self.datamodule = self._get(self.config_init, "data")
-        self.trainer = self.instantiate_trainer(**self._default_outputs())
-        model_cfg: ModelConfig = self._get(self.config_init, "model")
+        self.config_init = _instantiate(self.parser, self.config)
+        self.datamodule = self._value(self.config_init, "data")
+        self.trainer = self.instantiate_trainer(**self._trainer_kwargs())
+        if isinstance(self.trainer.accelerator, CUDAAccelerator):
+            torch.set_float32_matmul_precision(self._value(self.config_init, "float32_matmul_precision", "high"))
+        model_cfg: ModelConfig = self._value(self.config_init, "model")
         ckpt_path = self._resolve_ckpt_path()
         if ckpt_path is not None:
             model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
@@ -106,24 +140,25 @@ class K3CLI(LightningCLI):
                 "remove model.vocab_size to take it from the data, or raise it"
             )
         # A sharding strategy gets a meta-device model: each rank materialises only its shards (configure_model)
-        self.model = K3LitModule(model_cfg, self._get(self.config_init, "optim"),
-                                 compile=bool(self._get(self.config_init, "compile", default=False)),
+        self.model = K3LitModule(model_cfg, self._value(self.config_init, "optim"),
+                                 compile=bool(self._value(self.config_init, "compile", default=False)),
                                  empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy))
 
     def _parse_ckpt_path(self) -> None:
         """Off: LightningCLI's would replace the whole recipe ``model`` with the checkpoint's, for a file path only,
-        and silently; :meth:`_checkpoint_architecture` does it per field, for ``last`` as well, with a warning."""
+        and silently; :meth:`_checkpoint_architecture` does it per field, for ``last`` as well, with a warning.
+        (A private hook of LightningCLI: see :mod:`k3lit.lightning_compat`.)"""
 
     def _resolve_ckpt_path(self) -> str | None:
         """The checkpoint ``--ckpt_path`` names, as a file or sharded folder: ``last`` and ``hpc`` become the path
         Lightning would pick (None when there is none yet: the run starts from scratch), and the resolved path is
         what the sub-command loads. Raises FileNotFoundError for a path that is no checkpoint."""
-        ckpt_path = self._get(self.config_init, "ckpt_path")
+        ckpt_path = self._value(self.config_init, "ckpt_path")
         if ckpt_path in ("last", "hpc"):
             fn, asked = TrainerFn(self.subcommand), ckpt_path
             with warnings.catch_warnings():  # Lightning's hint (set save_last=True) does not apply: k3lit does
                 warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
-                ckpt_path = self.trainer._checkpoint_connector._parse_ckpt_path(fn, ckpt_path, True, False)
+                ckpt_path = compat.resolve_ckpt_path(self.trainer, fn, ckpt_path)
             if ckpt_path is None and asked == "last":
                 where = [str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if cb.dirpath]
                 rank_zero_warn(f"--ckpt_path last: no last.ckpt in {' or '.join(where) or 'the run folder'} yet; "
@@ -153,12 +188,23 @@ class K3CLI(LightningCLI):
             section[f"model.{k}"] = v
         return model_cfg
 
-    def _default_outputs(self) -> dict:
-        """TensorBoard + CSV loggers and a last.ckpt checkpoint under default_root_dir, unless configured. A run that
-        loads a checkpoint continues the folder's ``metrics.csv`` and ``last.ckpt`` (:meth:`instantiate_classes`)."""
-        cfg = self._get(self.config_init, "trainer", default={})
+    def _trainer_kwargs(self) -> dict:
+        """What k3lit adds to the configured trainer: the validation interval in optimizer steps (see the module
+        docstring); unless configured, TensorBoard + CSV loggers, a last.ckpt checkpoint and the MoE heatmap every
+        ``val_check_interval`` steps under default_root_dir, the throughput monitor, SLURM requeue, the end-of-run
+        summary and a progress display. A run that loads a checkpoint continues the folder's ``metrics.csv`` and
+        ``last.ckpt`` (:meth:`instantiate_classes`)."""
+        cfg = self._value(self.config_init, "trainer", default={})
         root = Path(cfg.get("default_root_dir") or "runs/default")
         out: dict = {}
+        every = cfg.get("val_check_interval")
+        steps = isinstance(every, int) and not isinstance(every, bool)
+        if cfg.get("check_val_every_n_epoch") is None:
+            if steps:  # Lightning counts training batches: one optimizer step is accumulate_grad_batches of them
+                out["val_check_interval"] = every * (cfg.get("accumulate_grad_batches") or 1)
+            elif every is None or isinstance(every, float):  # a fraction of an epoch (or once per epoch)
+                out["check_val_every_n_epoch"] = 1
+        every = every if steps and every > 0 else DEFAULT_EVERY_N_STEPS
         if cfg.get("logger") in (None, True):
             out["logger"] = [
                 TensorBoardLogger(root, name="", version=""),
@@ -166,25 +212,18 @@ class K3CLI(LightningCLI):
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            # last.ckpt every `val_check_interval` steps (100 when that is a fraction) and when training ends
-            every = cfg.get("val_check_interval")
-            every = every if isinstance(every, int) and every > 0 else 100
-            callbacks.append(LastCheckpoint(root / "checkpoints", every))
-        for kind in (K3ThroughputMonitor, SlurmRequeue):  # tokens/s + MFU; checkpoint + requeue under SLURM
+            callbacks.append(LastCheckpoint(root / "checkpoints", every))  # and when training ends
+        if not any(isinstance(c, ExpertLoadPlots) for c in callbacks):
+            callbacks.append(ExpertLoadPlots(every))  # writes nothing for a model without MoE layers
+        for kind in (K3ThroughputMonitor, SlurmRequeue, RunSummary):
             if not any(isinstance(c, kind) for c in callbacks):
                 callbacks.append(kind())
-        if cfg.get("enable_progress_bar", True) is not False and not any(
-            isinstance(c, (RichProgressBar, ProgressLines)) for c in callbacks
-        ):  # a live bar on a terminal; plain lines in a log file (SLURM jobs, redirected output); after the
-            callbacks.append(RichProgressBar() if sys.stdout.isatty() else ProgressLines())  # monitor: its tok/s
+        if cfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            # a live bar on a terminal; plain lines in a log file (SLURM jobs, redirected output); after the
+            # throughput monitor: its tok/s
+            callbacks.append(StepProgressBar() if sys.stdout.isatty() else ProgressLines())
         out["callbacks"] = callbacks
         return out
-
-    def instantiate_trainer(self, **kwargs):
-        cfg = self._get(self.config_init, "trainer", default={})
-        cfg = {**cfg, **kwargs}
-        extra = [self._get(self.config_init, c) for c in self._parser(self.subcommand).callback_keys]
-        return self._instantiate_trainer(cfg, extra)
 
 
 def prepare_main(argv: list[str]) -> None:
@@ -195,7 +234,7 @@ def prepare_main(argv: list[str]) -> None:
     for group in ("model", "optim", "trainer"):
         parser.add_argument(f"--{group}", type=dict, default={}, help="ignored (recipes carry it for fit)")
     parser.add_argument("--seed_everything", type=int | bool | None, default=None, help="ignored (used by fit)")
-    cfg = parser.instantiate_classes(parser.parse_args(argv))
+    cfg = _instantiate(parser, parser.parse_args(argv))
     dm: K3DataModule = cfg.data
     dm.prepare_data()
     print(dm.describe())
@@ -259,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
 
             return slurm_main(args[1:])
         K3CLI(args=argv)
-    except (ValueError, FileNotFoundError) as e:  # configuration errors: say what to change, no traceback
+    except (ValueError, FileNotFoundError, MisconfigurationException) as e:  # configuration errors: say what to
+        # change, no traceback
         if os.environ.get("K3LIT_DEBUG"):
             raise
         print(f"k3lit: error: {e}\n(set K3LIT_DEBUG=1 for the traceback)", file=sys.stderr)

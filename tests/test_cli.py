@@ -329,7 +329,8 @@ def test_progress_lines_show_the_throughput_just_logged(tmp_path, cache, monkeyp
     main(args + ["--trainer.log_every_n_steps=2", "--trainer.callbacks+=k3lit.train.callbacks.K3ThroughputMonitor",
                  "--trainer.callbacks.window_size=2"])
     lines = {int(m.group(1)): m.group(2) for r in caplog.records
-             if (m := re.match(r"step (\d+)/6 · train/loss .* · ([\d,]+) tok/s per device$", r.getMessage()))}
+             if (m := re.match(r"step (\d+)/6 · train/loss .* · ([\d,]+) tok/s per device · \d+:\d\d:\d\d left$",
+                               r.getMessage()))}
     logged = read_metric(tmp_path, "train/device/items_per_sec")
     assert set(lines) == {2, 4, 6}  # every line has it: the rolling window (2 steps) is full at step 2
     assert all(lines[s] == f"{logged[s - 1]:,.0f}" for s in lines)  # logged at step s - 1 (0-based) = line s

@@ -40,6 +40,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
+from k3lit import lightning_compat as compat
 from k3lit.parallel.parallelize import DP, EP, REPLICATE
 
 __all__ = ["ExpertParallelStrategy", "mesh_shape"]
@@ -147,14 +148,13 @@ class ExpertParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Replaces the parent's (data_parallel, tensor_parallel) mesh by ours; process group setup unchanged.
-        self._setup_distributed()
+        compat.setup_distributed(self)
         assert self.lightning_module is not None
         # expert_parallel_size must divide every MoE's expert count, i.e. their gcd (a K3LM has a single count)
         counts = [m.n_experts for m in self.lightning_module.modules() if hasattr(m, "dispatcher")]
         shape = mesh_shape(self.world_size, self.data_parallel_replicate_size, self.data_parallel_size,
                            self.expert_parallel_size, n_experts=math.gcd(*counts) if counts else None)
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=(REPLICATE, DP, EP))
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_device_mesh(self, init_device_mesh(self.root_device.type, shape, mesh_dim_names=(REPLICATE, DP, EP)))
         rank_zero_info(f"ExpertParallelStrategy: device mesh {REPLICATE}={shape[0]} x {DP}={shape[1]} x {EP}={shape[2]}"
                        f" ({'HSDP' if shape[0] > 1 else 'FSDP2'}; world_size={self.world_size})")
 
@@ -176,6 +176,6 @@ class ExpertParallelStrategy(ModelParallelStrategy):
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=self._determine_device_ids())
+            torch.distributed.barrier(device_ids=[self.root_device.index])
         else:
             torch.distributed.barrier()

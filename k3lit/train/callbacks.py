@@ -1,9 +1,8 @@
-"""Training callbacks: tokens/s and MFU from our FLOPs formula; SLURM requeue at a step boundary; progress as
-plain log lines where no terminal shows a progress bar.
+"""Training callbacks: tokens/s and MFU from our FLOPs formula; SLURM requeue at a step boundary; ``last.ckpt``
+every N steps and at the end of training.
 
 All are in K3CLI's default callbacks; each is a no-op where it does not apply (no FLOPs peak known for the
-device: no MFU; not inside a SLURM job: no signal handler; stdout a terminal: the rich progress bar instead of
-log lines).
+device: no MFU; not inside a SLURM job: no signal handler).
 """
 
 from __future__ import annotations
@@ -13,70 +12,22 @@ import re
 import signal
 import subprocess
 import threading
+import warnings
 from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, ThroughputMonitor
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from k3lit.train.flops import peak_flops, training_flops
+from k3lit import lightning_compat as compat
+from k3lit.train.flops import compute_dtype, peak_flops, training_flops
 from k3lit.train.run_dir import move_aside
 
-__all__ = ["K3ThroughputMonitor", "LastCheckpoint", "ProgressLines", "SlurmRequeue"]
+__all__ = ["K3ThroughputMonitor", "LastCheckpoint", "SlurmRequeue"]
 
-
-class ProgressLines(ProgressBar):
-    """One line per ``every_n_steps`` optimizer steps on rank zero, e.g.
-    ``step 120/301 · train/loss 3.412 · train/max_vio/layer0 0.21 · 2,950 tok/s per device``, and one per validation
-    (``val/...`` metrics): the progress of a run whose stdout is a file (a SLURM job, ``make train > log``),
-    where a live progress bar prints nothing useful.
-
-    A Lightning ``ProgressBar``, so the trainer adds no tqdm bar beside it. The tok/s figure is the latest that a
-    :class:`K3ThroughputMonitor` computed (none in the first ``window_size`` steps); the monitor must come before
-    this callback in ``trainer.callbacks`` to report the same step (K3CLI orders them so), else it is one line old.
-
-    Args:
-        every_n_steps: optimizer steps between lines; default the trainer's ``log_every_n_steps``.
-    """
-
-    def __init__(self, every_n_steps: int | None = None) -> None:
-        super().__init__()
-        self.every_n_steps = every_n_steps
-        self._enabled = True
-        self._last_step = -1
-
-    def disable(self) -> None:
-        self._enabled = False
-
-    def enable(self) -> None:
-        self._enabled = True
-
-    def _line(self, trainer: L.Trainer, prefix: str) -> str:
-        metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
-        parts = [f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
-        parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items())]
-        # ThroughputMonitor logs straight to the loggers, so its values never reach trainer.callback_metrics
-        tps = next((m.last_metrics.get("train/device/items_per_sec") for m in trainer.callbacks
-                    if isinstance(m, K3ThroughputMonitor)), None)
-        if prefix == "train/" and tps is not None:
-            parts.append(f"{float(tps):,.0f} tok/s per device")
-        return " · ".join(parts)
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        every = self.every_n_steps or trainer.log_every_n_steps
-        step = trainer.global_step  # advances once per optimizer step, not per micro-batch
-        if self._enabled and step > 0 and step % every == 0 and step != self._last_step:
-            self._last_step = step
-            rank_zero_info(self._line(trainer, "train/"))
-
-    @override
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._enabled and not trainer.sanity_checking:
-            rank_zero_info(self._line(trainer, "val/"))
 
 class K3ThroughputMonitor(ThroughputMonitor):
     """Lightning's :class:`ThroughputMonitor` fed with k3lit's FLOPs count and token lengths.
@@ -105,22 +56,24 @@ class K3ThroughputMonitor(ThroughputMonitor):
 
     @override
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
-        """Lightning's (log the rolling throughput to the loggers), keeping what it logged in :attr:`last_metrics`."""
-        if not trainer._logger_connector.should_update_logs:
+        """Lightning's (log the rolling throughput to the loggers), keeping what it logged in :attr:`last_metrics`.
+        (A private hook of Lightning's monitor: see :mod:`k3lit.lightning_compat`.)"""
+        if not compat.should_update_logs(trainer):
             return
         stage = trainer.state.stage
-        throughput = self._throughputs[stage]
+        throughput = compat.throughputs(self)[stage]
         metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
-        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+        compat.log_metrics(trainer, metrics, step=iter_num)
         self.last_metrics.update(metrics)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
-        peak = self._override_flops or peak_flops(trainer.strategy.root_device, dtype)
+        with warnings.catch_warnings():  # Lightning's table lacks Hopper's dense peaks; peak_flops has them and
+            warnings.filterwarnings("ignore", message="FLOPs not found")  # warns itself for an unknown chip
+            super().setup(trainer, pl_module, stage)
+        peak = self._override_flops or peak_flops(trainer.strategy.root_device, compute_dtype(trainer.precision))
         self.available_flops = peak
-        for throughput in self._throughputs.values():
+        for throughput in compat.throughputs(self).values():
             throughput.available_flops = peak
 
     def _set_flops(self, pl_module: L.LightningModule, batch: Any) -> None:
@@ -236,7 +189,7 @@ class SlurmRequeue(Callback):
                 cb.last_model_path = path
                 return path
         # No ModelCheckpoint: Lightning resumes from default_root_dir/hpc_ckpt_<n>.ckpt by itself under SLURM.
-        return trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        return compat.hpc_save_path(trainer)
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -260,10 +213,10 @@ class LastCheckpoint(ModelCheckpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         last = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        if stage == "fit" and not self.resume and trainer.is_global_zero and self._fs.exists(last):
-            move_aside(self._fs, last, "previous")
+        fs = get_filesystem(last)
+        if stage == "fit" and not self.resume and trainer.is_global_zero and fs.exists(last):
+            move_aside(fs, last, "previous")
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._should_skip_saving_checkpoint(trainer):  # skips when this global step was saved already
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        compat.save_last_checkpoint(self, trainer)  # skips when this global step was saved already

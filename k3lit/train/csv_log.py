@@ -6,10 +6,12 @@ import csv
 import os
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
+from k3lit import lightning_compat as compat
 from k3lit.train.run_dir import move_aside
 
 __all__ = ["RunCSVLogger"]
@@ -38,9 +40,7 @@ class RunCSVLogger(CSVLogger):
     @override
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._experiment = _RunWriter(self.log_dir, self.append)
-        return self._experiment
+        return compat.csv_writer(self) or compat.set_csv_writer(self, _RunWriter(self.log_dir, self.append))
 
 
 class _RunWriter(ExperimentWriter):
@@ -48,15 +48,16 @@ class _RunWriter(ExperimentWriter):
 
     def __init__(self, log_dir: str, append: bool) -> None:
         self.append = append
+        self.fs = get_filesystem(log_dir)
         super().__init__(log_dir)
-        if append and self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+        if append and self.fs.isfile(self.metrics_file_path):
+            with self.fs.open(self.metrics_file_path, "r", newline="") as f:
                 header = next(csv.reader(f), [])
             if header != sorted(header):  # save() appends rows in sorted column order
-                self._rewrite_with_new_header(sorted(header))
+                compat.rewrite_metrics_header(self, sorted(header))
             self.metrics_keys = sorted(header)  # so save() appends under the file's header (or widens it)
 
     @override
-    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
-        if not self.append and self._fs.isfile(self.metrics_file_path):
-            move_aside(self._fs, self.metrics_file_path, "metrics")
+    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here (see k3lit.lightning_compat)
+        if not self.append and self.fs.isfile(self.metrics_file_path):
+            move_aside(self.fs, self.metrics_file_path, "metrics")

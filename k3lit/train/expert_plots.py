@@ -1,14 +1,16 @@
 """ExpertLoadPlots: a layer x expert heatmap of the MoE load, as PNG files and TensorBoard images.
 
+On by default in ``k3lit fit`` (every ``val_check_interval`` steps); to plot at another interval:
+
     k3lit fit --config recipes/tiny.yaml --trainer.callbacks+=k3lit.train.expert_plots.ExpertLoadPlots \\
-        --trainer.callbacks.every_n_steps=100
+        --trainer.callbacks.every_n_steps=50
 
 Reads ``K3LitModule.last_expert_fraction`` (``[L_moe, n]`` share of routed slots per expert of the latest optimizer
 step, synced over ranks by :class:`~k3lit.train.metrics.ExpertLoad`, kept on the training device: copied to the host
 only here) every ``every_n_steps`` optimizer steps and once at the end of training, and draws ``fraction · n`` (1.0 =
 perfectly balanced) with a diverging colour map centred on 1. Files go to ``<log_dir>/expert_load/step{N:07d}.png``; a
 TensorBoard logger, if any, gets the same image under ``expert_load/heatmap``. Rank zero only; matplotlib with the Agg
-backend.
+backend. Nothing is written for a model without MoE layers.
 """
 
 from __future__ import annotations
@@ -83,14 +85,14 @@ class ExpertLoadPlots(L.Callback):
         return Path(self.dirpath or trainer.log_dir or trainer.default_root_dir) / "expert_load"
 
     def _plot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        folder = self._dir(trainer)  # on every rank: trainer.log_dir broadcasts
-        self._draw(trainer, pl_module, folder)
-
-    @rank_zero_only
-    def _draw(self, trainer: L.Trainer, pl_module: L.LightningModule, folder: Path) -> None:
-        fraction = getattr(pl_module, "last_expert_fraction", None)
+        fraction = getattr(pl_module, "last_expert_fraction", None)  # None on every rank for a model without MoE
         if fraction is None:
             return
+        folder = self._dir(trainer)  # on every rank: trainer.log_dir broadcasts
+        self._draw(trainer, fraction, folder)
+
+    @rank_zero_only
+    def _draw(self, trainer: L.Trainer, fraction: torch.Tensor, folder: Path) -> None:
         step = trainer.global_step
         path = folder / f"step{step:07d}.png"
         rgb = render_heatmap(fraction, f"expert load, step {step}", path)

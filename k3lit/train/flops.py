@@ -32,7 +32,8 @@ import torch
 from k3lit.model import ModelConfig
 from k3lit.ops.kda import largest_safe_chunk
 
-__all__ = ["active_matmul_params", "training_flops_per_token", "training_flops", "flops_breakdown", "peak_flops"]
+__all__ = ["active_matmul_params", "training_flops_per_token", "training_flops", "flops_breakdown", "peak_flops",
+           "compute_dtype"]
 
 KDA_CONV_WIDTH = 4  # KimiDeltaAttention's default short-convolution width
 
@@ -111,6 +112,20 @@ _DENSE_PEAK: dict[str, dict[str, float]] = {
     "h200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
     "a100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
 }
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matrix products run in under a Lightning precision setting (``trainer.precision``):
+    ``bf16-mixed``/``bf16-true`` -> bfloat16, ``16-mixed``/``16-true`` -> float16, ``64-true`` -> float64, anything
+    else (``32-true``, ``transformer-engine``...) -> float32."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

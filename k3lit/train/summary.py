@@ -1,0 +1,225 @@
+"""RunSummary: what a ``fit`` reached and where its outputs are, printed once when it ends.
+
+    k3lit fit: max_steps reached at step 1000 in 0:09:00
+      steps          1000
+      tokens         4,096,000 (this run)
+      wall time      0:09:00 (validation 0:00:29)
+      tokens/s       7,586 (all devices, validation excluded)
+      MFU            unknown (no peak FLOP/s known for cpu)
+      held-out bpb   2.412 (val/bpb at step 1000, over the split's 3.168 bytes/token)
+      same bytes     model 2.751 · gzip -9 1.724 · xz -9e 1.243 bits/byte on the 320 validation blocks (227,404
+                     bytes, 2.765 bytes/token)
+      MaxVio_global  layer0 0.23 · layer1 0.26 · layer2 0.43 · layer3 0.98 · layer4 0.57
+      checkpoint     runs/tiny/checkpoints/last.ckpt
+      plots          runs/tiny/expert_load/step0001000.png (TensorBoard: tensorboard --logdir runs/tiny)
+      sample         k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt
+
+A rich table on a terminal, plain log lines otherwise (as :class:`~k3lit.train.progress.ProgressLines`). Rank
+zero only. ``val/bpb`` divides the validation loss by the held-out split's mean bytes per token, while a validation
+pass with ``limit_val_batches`` reads only the split's first blocks, whose bytes per token may differ; the "same
+bytes" row measures the model and the compressors on the text of those blocks
+(:mod:`k3lit.train.reference_bpb`; single-process runs: the very blocks validated, several processes: as many
+blocks from the split's start as rank zero validated).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+import time
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from rich.console import Console
+from rich.table import Table
+from typing_extensions import override
+
+from k3lit.data import K3DataModule
+from k3lit.train.callbacks import K3ThroughputMonitor, SlurmRequeue
+from k3lit.train.csv_log import RunCSVLogger
+from k3lit.train.expert_plots import ExpertLoadPlots
+from k3lit.train.flops import compute_dtype, peak_flops, training_flops
+from k3lit.train.progress import clock
+from k3lit.train.reference_bpb import reference_bpb
+
+__all__ = ["RunSummary"]
+
+
+class RunSummary(Callback):
+    """Print, when ``fit`` ends, the steps and tokens trained, wall time, tokens/s, MFU (where the device's peak is
+    known), the last validation's ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and
+    the checkpoint, plots and logs with the command that samples from the checkpoint.
+
+    Args:
+        rich: a rich table (True) or plain log lines (False); default: a table when stdout is a terminal.
+        console: where the table goes; default a rich ``Console()`` on stdout.
+        compressors: also compress the validation text with gzip and xz (computed once per corpus and cached).
+
+    Attributes:
+        rows: the ``(label, value)`` rows of the last summary (rank zero), for programs.
+    """
+
+    def __init__(self, rich: bool | None = None, console: Console | None = None, compressors: bool = True) -> None:
+        self.rich = rich
+        self.console = console
+        self.compressors = compressors
+        self.title = ""
+        self.rows: list[tuple[str, str]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._start = time.monotonic()
+        self._start_step = 0
+        self._tokens = 0
+        self._flops = 0.0
+        self._flops_cache: dict[tuple[int, int], float] = {}
+        self._val_seconds = 0.0
+        self._val_start: float | None = None
+        self._val_blocks = 0
+        self._val_step: int | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset()
+        self._start_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        shape = (int(batch.shape[0]), int(batch.shape[1]) - 1)  # [B, T + 1] blocks: T tokens predicted each
+        self._tokens += shape[0] * shape[1]
+        config = getattr(pl_module, "model_config", None)
+        if config is not None:
+            if shape not in self._flops_cache:
+                self._flops_cache[shape] = training_flops(config, *shape)
+            self._flops += self._flops_cache[shape]
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._val_start = time.monotonic()
+            self._val_blocks = 0
+
+    @override
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self._val_blocks += int(batch.shape[0])
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and self._val_start is not None:
+            self._val_seconds += time.monotonic() - self._val_start
+            self._val_start = None
+            self._val_step = trainer.global_step
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.title, self.rows = self._title(trainer), self._rows(trainer)
+        as_table = sys.stdout.isatty() if self.rich is None else self.rich
+        if as_table:
+            table = Table(title=self.title, show_header=False, title_justify="left")
+            table.add_column(style="bold")
+            table.add_column()
+            for label, value in self.rows:
+                table.add_row(label, value)
+            (self.console or Console()).print(table)
+        else:
+            rank_zero_info("\n".join([self.title] + [f"  {label:<14} {value}" for label, value in self.rows]))
+
+    # -- the figures -----------------------------------------------------------------------------------------------
+    def _title(self, trainer: L.Trainer) -> str:
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        remaining = None if timer is None else timer.time_remaining()
+        if any(isinstance(c, SlurmRequeue) and c.requeued_at_step is not None for c in trainer.callbacks):
+            why = "requeued by SLURM"
+        elif 0 <= trainer.max_steps <= trainer.global_step:
+            why = "max_steps reached"
+        elif remaining is not None and remaining <= 0:
+            why = "max_time reached"
+        elif trainer.interrupted:
+            why = "interrupted"
+        else:
+            why = "stopped"
+        return f"k3lit fit: {why} at step {trainer.global_step} in {clock(time.monotonic() - self._start)}"
+
+    def _rows(self, trainer: L.Trainer) -> list[tuple[str, str]]:
+        wall = time.monotonic() - self._start
+        train_seconds = max(wall - self._val_seconds, 1e-9)
+        world = trainer.world_size
+        metrics = trainer.callback_metrics
+        steps = f"{trainer.global_step}"
+        if self._start_step:
+            steps += f" (this run {trainer.global_step - self._start_step}, resumed at step {self._start_step})"
+        rows = [
+            ("steps", steps),
+            ("tokens", f"{self._tokens * world:,} (this run)"),
+            ("wall time", f"{clock(wall)} (validation {clock(self._val_seconds)})"),
+            ("tokens/s", f"{self._tokens * world / train_seconds:,.0f} (all devices, validation excluded)"),
+            ("MFU", self._mfu(trainer, train_seconds)),
+        ]
+        bpb = metrics.get("val/bpb")
+        if bpb is None or self._val_step is None:
+            rows.append(("held-out bpb", "no validation ran"))
+        else:
+            dm = getattr(trainer, "datamodule", None)
+            split = ""
+            if isinstance(dm, K3DataModule):
+                split = f", over the split's {dm.val_bytes_per_token:.4g} bytes/token"
+            rows.append(("held-out bpb", f"{float(bpb):.4g} (val/bpb at step {self._val_step}{split})"))
+            if (same := self._same_bytes(trainer)) is not None:
+                rows.append(("same bytes", same))
+        vio = sorted((int(k.rsplit("layer", 1)[1]), float(v)) for k, v in metrics.items()
+                     if k.startswith("val/max_vio/layer"))
+        if vio and self._val_step is not None:
+            rows.append(("MaxVio_global", " · ".join(f"layer{i} {v:.2f}" for i, v in vio)))
+        rows += self._outputs(trainer)
+        return rows
+
+    def _mfu(self, trainer: L.Trainer, train_seconds: float) -> str:
+        monitor = next((m for m in trainer.callbacks if isinstance(m, K3ThroughputMonitor)), None)
+        if monitor is not None:  # its peak (or its override); asking again would repeat an unknown chip's warning
+            peak = monitor.available_flops
+        else:
+            peak = peak_flops(trainer.strategy.root_device, compute_dtype(trainer.precision))
+        if not peak:
+            return f"unknown (no peak FLOP/s known for {trainer.strategy.root_device.type})"
+        if not self._flops:
+            return "unknown (no FLOPs count for this model)"
+        return f"{100 * self._flops / (train_seconds * peak):.1f}% (of {peak / 1e12:.4g} TFLOP/s per device)"
+
+    def _same_bytes(self, trainer: L.Trainer) -> str | None:
+        """Model, gzip and xz bits per byte on the validation blocks' own text (None where not computable)."""
+        dm, loss = getattr(trainer, "datamodule", None), trainer.callback_metrics.get("val/loss")
+        if not self.compressors or not isinstance(dm, K3DataModule) or loss is None or not self._val_blocks:
+            return None
+        ref = reference_bpb(dm.prepared, dm.seq_len, self._val_blocks)
+        model = float(loss) * self._val_blocks * dm.seq_len / math.log(2) / ref["bytes"]
+        return (f"model {model:.4g} · gzip -9 {ref['gzip -9']:.4g} · xz -9e {ref['xz -9e']:.4g} bits/byte "
+                f"on the {self._val_blocks} validation blocks ({ref['bytes']:,} bytes, "
+                f"{ref['bytes'] / (self._val_blocks * (dm.seq_len + 1)):.4g} bytes/token)")
+
+    def _outputs(self, trainer: L.Trainer) -> list[tuple[str, str]]:
+        rows = []
+        ckpt = next((cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks
+                     if getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")), None)
+        rows.append(("checkpoint", ckpt or "none written"))
+        plots = [p for cb in trainer.callbacks if isinstance(cb, ExpertLoadPlots) for p in cb.written]
+        board = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if plots or board:
+            where = [str(plots[-1])] if plots else []
+            if board:
+                where.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(board))}")
+            rows.append(("plots", " · ".join(where)))
+        csv = next((lg.experiment.metrics_file_path for lg in trainer.loggers if isinstance(lg, RunCSVLogger)), None)
+        if csv:
+            rows.append(("metrics", csv))
+        if ckpt:
+            rows.append(("sample", f"k3lit generate --ckpt {shlex.quote(ckpt)}"))
+        return rows

@@ -1,0 +1,92 @@
+"""What a `k3lit fit` run shows a person: progress in optimizer steps against what ends the run, a summary at the end,
+the expert-load heatmap, and no third-party messages nobody can act on."""
+
+import os
+import re
+import subprocess
+import sys
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from k3lit.cli import K3CLI
+from k3lit.train.flops import training_flops_per_token
+from k3lit.train.progress import StepProgressBar
+from k3lit.train.summary import RunSummary
+
+ROOT = Path(__file__).parents[2]
+TINY = [
+    "--model.dim=32", "--model.n_layers=3", "--model.n_heads=2", "--model.head_dim=16", "--model.mlp_hidden=64",
+    "--model.n_experts=4", "--model.top_k=2", "--model.expert_dim=32", "--data.tokenizer=byte", "--data.seq_len=32",
+    "--data.batch_size=2", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=2",
+    "--trainer.enable_model_summary=false",
+]
+SUMMARY_FIELDS = ("steps", "tokens", "wall time", "tokens/s", "MFU", "held-out bpb", "same bytes", "MaxVio_global",
+                  "checkpoint", "plots", "metrics", "sample")
+
+
+def fit_args(root: Path, cache: str, steps: int, every: int) -> list[str]:
+    return ["fit", "--config", str(ROOT / "recipes" / "tiny.yaml"), *TINY, f"--data.cache_dir={cache}",
+            f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}",
+            f"--trainer.val_check_interval={every}"]
+
+
+def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path, stdlib_cache):
+    """The real command, stdout and stderr to a file (as a SLURM job's log)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "k3lit.cli", *fit_args(tmp_path, stdlib_cache, 6, 3)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    # progress: one line per log_every_n_steps optimizer steps, against max_steps (tiny's max_time is further off)
+    steps = re.findall(r"^step (\d+)/6 · train/loss [\d.]+ .*· (\d+:\d\d:\d\d) left$", log, re.M)
+    assert [s for s, _ in steps] == ["2", "4", "6"] and steps[-1][1] == "0:00:00"
+    # the summary, with where the outputs are and how to sample
+    block = log[log.index("k3lit fit: max_steps reached at step 6"):]
+    fields = dict(re.findall(r"^  (\S[\w/ -]*?)\s{2,}(.+)$", block, re.M))
+    assert all(f in fields for f in SUMMARY_FIELDS), fields
+    assert fields["steps"] == "6" and fields["tokens"] == f"{6 * 2 * 32:,} (this run)"
+    assert re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the split's 1 bytes/token\)", fields["held-out bpb"])
+    same = re.fullmatch(r"model ([\d.]+) · gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the 4 validation blocks "
+                        r"\(([\d,]+) bytes, ([\d.]+) bytes/token\)", fields["same bytes"])
+    assert same and int(same.group(2).replace(",", "")) == round(float(same.group(3)) * 4 * 33)
+    assert re.fullmatch(r"layer0 [\d.]+ · layer1 [\d.]+", fields["MaxVio_global"])  # tiny: 3 layers, 1 dense
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert fields["checkpoint"] == str(ckpt) and fields["sample"] == f"k3lit generate --ckpt {ckpt}"
+    # the heatmap is on by default: a PNG per interval and at the end, the last one named in the summary
+    pngs = sorted((tmp_path / "expert_load").glob("*.png"))
+    assert [p.name for p in pngs] == ["step0000003.png", "step0000006.png"]
+    assert fields["plots"].startswith(f"{pngs[-1]} · TensorBoard: tensorboard --logdir {tmp_path}")
+    # nothing from Lightning or litdata that a user cannot act on
+    for noise in ("litlogger", "Tip:", "IterableDataset` has `__len__`", "is deprecated", "DeprecationWarning",
+                  "FutureWarning"):
+        assert noise not in log, noise
+
+
+def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_path, stdlib_cache, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = fit_args(tmp_path, stdlib_cache, 4, 2)[1:] + [
+        "--trainer.accumulate_grad_batches=2", "--trainer.callbacks+=k3lit.train.progress.StepProgressBar",
+        "--trainer.callbacks+=k3lit.train.callbacks.K3ThroughputMonitor", "--trainer.callbacks.available_flops=1e9"]
+    cli = K3CLI(args=args, run=False)
+    bar = next(c for c in cli.trainer.callbacks if isinstance(c, StepProgressBar))
+    summary = next(c for c in cli.trainer.callbacks if isinstance(c, RunSummary))
+    screen = StringIO()
+    bar.console = summary.console = Console(file=screen, force_terminal=True, width=220, color_system=None)
+    summary.rich = True
+    cli.trainer.fit(cli.model, cli.datamodule)
+    text = screen.getvalue()
+    frames = re.findall(r"train ━+\s+step (\d)/4 · (?:(\d+:\d\d:\d\d) left · )?loss", text)
+    assert frames and frames[-1] == ("4", "0:00:00")  # optimizer steps (8 micro-batches), none left at the end
+    assert {s for s, _ in frames} <= {"1", "2", "3", "4"}
+    assert "k3lit fit: max_steps reached at step 4" in text
+    assert all(f"{label} " in text for label, _ in summary.rows)
+    assert [label for label, _ in summary.rows] == list(SUMMARY_FIELDS)
+    rows = dict(summary.rows)
+    assert rows["tokens"] == f"{4 * 2 * 2 * 32:,} (this run)"  # 4 steps of 2 micro-batches of [2, 32]
+    tokens_per_s = float(rows["tokens/s"].split()[0].replace(",", ""))
+    mfu = re.fullmatch(r"([\d.]+)% \(of 0.001 TFLOP/s per device\)", rows["MFU"])  # the monitor's 1e9 FLOP/s
+    flops_per_token = training_flops_per_token(cli.model.model_config, 32)
+    assert mfu and float(mfu.group(1)) == pytest.approx(100 * tokens_per_s * flops_per_token / 1e9, rel=0.02, abs=0.06)
