@@ -140,6 +140,7 @@ def make_step(model: torch.nn.Module, device: str):
 def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: str) -> dict:
     """Time ``steps`` optimizer steps of model ``c`` (a ModelConfig, or ``"litgpt"``) after ``warmup`` steps on one
     fixed batch (whose loss must fall)."""
+    torch._dynamo.reset()  # compiled code of earlier rows shares code objects (and recompile limits) with this one
     if c == "litgpt":
         model, vocab, flops_per_token = build_litgpt(device, compile_, seq)
         active = None

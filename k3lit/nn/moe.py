@@ -55,7 +55,10 @@ _PENDING_WARN = 4096  # micro-batches without an update_balancer() call before w
 
 def _in_backward() -> bool:
     """True while autograd executes a backward pass, e.g. when activation checkpointing (reentrant or not)
-    re-runs a forward to recompute saved tensors."""
+    re-runs a forward to recompute saved tensors. Never inside a ``torch.compile`` region: there a checkpointed
+    forward is recomputed inside the compiled backward graph, without running this Python code again."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -271,7 +274,6 @@ class MoE(nn.Module):
         return ys.new_zeros(m * k, ys.shape[-1]).index_copy(0, kept, ys).view(m, k, -1)
 
     # ----------------------------------------------------------------------------------------- balancer
-    @torch.compiler.disable  # Python-side bookkeeping (lists, recompute check): runs eagerly under compile
     def _record(
         self,
         scores: torch.Tensor,

@@ -23,8 +23,10 @@ _NATIVE = hasattr(F, "grouped_mm")
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """Unit last stride, all other strides and the data pointer on 16-byte boundaries."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
+    """Unit last stride, all other strides and the data pointer on 16-byte boundaries. Under ``torch.compile`` the
+    pointer is unknown while tracing (a fake tensor has none) and only the strides are checked: the compiled graph
+    allocates its intermediates on the allocator's 512-byte boundaries, and parameters are whole allocations."""
+    if t.stride(-1) != 1 or (not torch.compiler.is_compiling() and t.data_ptr() % 16):
         return False
     elem = t.element_size()
     return all((s * elem) % 16 == 0 for s in t.stride()[:-1])
@@ -37,8 +39,8 @@ def native_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.is_cuda:
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
             return False
-    elif x.device.type == "cpu":
-        if x.dtype not in (torch.float32, torch.bfloat16):
+    elif x.device.type == "cpu":  # float32 runs eagerly, but torch.compile's shape rules accept bfloat16 only
+        if x.dtype not in (torch.bfloat16,) + (() if torch.compiler.is_compiling() else (torch.float32,)):
             return False
     else:
         return False
