@@ -1,13 +1,17 @@
-"""Training throughput of a recipe's model against a plain transformer of the same active size, side by side.
+"""Training throughput of a recipe's model beside its ablations, a plain transformer and litgpt, in one process.
 
-    python benchmarks/throughput.py --recipe recipes/small.yaml --json out.json      # on the GPU
-    python benchmarks/throughput.py --from_json out.json                             # write RESULTS.md "Throughput"
+    python benchmarks/throughput.py --recipe recipes/small.yaml --rows recipe,plain,litgpt,dense,attention,\
+        plain_residual,no_balancer --extra_recipe recipes/medium_1gpu.yaml --compile none,sublayers,model \
+        --json benchmarks/throughput_h200.json                                      # on the GPU
+    python benchmarks/throughput.py --from_json benchmarks/throughput_h200.json    # write RESULTS.md "Throughput"
 
-Both models are built from k3lit's own components; the baseline replaces the recipe's layer pattern by softmax
-attention in every layer (``A``), its MoE by a dense SwiGLU (``n_experts=0``) and its residual by the plain sum,
-with ``mlp_hidden`` chosen so that its active matmul weights match the recipe's (k3lit.train.flops). Each step is
-what ``trainer.precision=bf16-mixed`` runs: float32 weights, bf16 autocast, float32 cross-entropy, fused AdamW,
-plus the MoE balancer update. Tokens are synthetic (uniform random ids), so no data pipeline is timed.
+Rows (``--rows``): the recipe; four one-change ablations of it (dense SwiGLU of the same active size instead of
+the MoE, softmax attention in every layer, the plain residual, no balancer); the plain transformer (softmax
+attention everywhere, dense SwiGLU, plain residual, ``mlp_hidden`` chosen so that its active matmul weights match
+the recipe's); litgpt's ``GPT`` (SmolLM2-135M config) as the peer; and ``--extra_recipe`` models at their own
+batch. Each row runs once per ``--compile`` setting. Each step is what ``trainer.precision=bf16-mixed`` runs:
+float32 weights, bf16 autocast, float32 cross-entropy, fused AdamW, clipping, plus the MoE balancer update.
+Tokens are synthetic (uniform random ids), so no data pipeline is timed.
 
 Correctness first: before timing, each model's loss must be finite and fall over the warm-up steps on a fixed
 batch, else no number is reported. MFU = model FLOPs (k3lit.train.flops) / dense bf16 peak of the device.
