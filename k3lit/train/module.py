@@ -40,7 +40,9 @@ class K3LitModule(L.LightningModule):
     Args:
         model: the architecture.
         optim: optimizer and schedule (defaults of :class:`OptimConfig` when None).
-        compile: ``torch.compile`` every sublayer in :meth:`configure_model`.
+        compile: ``torch.compile`` in :meth:`configure_model`: the whole model as one graph on a single device
+            (KDA, the short convolution and AttnRes are custom ops inside it), every sublayer under a sharding
+            strategy (FSDP2 hooks sit between sublayers, as in torchtitan).
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
@@ -50,7 +52,7 @@ class K3LitModule(L.LightningModule):
         self, model: ModelConfig, optim: OptimConfig | None = None, compile: bool = False, empty_init: bool = False
     ) -> None:
         super().__init__()
-        self.compile_sublayers = compile
+        self.compile_model = compile
         self.save_hyperparameters(ignore=["empty_init"])
         self.model_config = model
         self.optim_config = optim or OptimConfig()
@@ -64,14 +66,16 @@ class K3LitModule(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """``compile=True``: ``torch.compile`` every sublayer in place (state-dict names unchanged; MoE routing
-        and the KDA torch path's loop over chunks cause graph breaks, the Triton KDA op is one opaque node).
-        Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2. A model built
+        """``compile=True``: ``torch.compile`` in place (state-dict names unchanged): the whole model, or every
+        sublayer when a device mesh exists (before FSDP2 wraps them). Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2. A model built
         with ``empty_init=True`` is then materialised: each rank allocates its shards (the whole model without
         a mesh) on the strategy's root device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
-        if self.compile_sublayers and not getattr(self, "_compiled", False):
-            for sub in self.model.sublayers:
-                sub.compile()
+        if self.compile_model and not getattr(self, "_compiled", False):
+            if self.device_mesh is None:
+                self.model.compile()
+            else:
+                for sub in self.model.sublayers:
+                    sub.compile()
             self._compiled = True
         if self.device_mesh is not None and not getattr(self, "_parallelized", False):
             from k3lit.parallel import parallelize
