@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 OPTIMIZERS = ("adamw", "muon")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz iteration of torch.optim.Muon
@@ -187,6 +186,9 @@ class MuonAdamW(torch.optim.Optimizer):
         lr, betas, eps, fused: AdamW's settings (``lr`` also Muon's, before the RMS matching).
         weight_decay: Muon's decoupled weight decay.
         momentum, ns_steps: Muon's momentum and Newton-Schulz iterations.
+
+    Raises:
+        RuntimeError: torch has no ``torch.optim.Muon`` (before 2.9).
     """
 
     def __init__(
@@ -201,6 +203,8 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: int,
         fused: bool | None = None,
     ) -> None:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"optim.name=muon needs torch >= 2.9 (torch.optim.Muon); this is {torch.__version__}")
         self._adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         muon = dict(muon=True, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps)
         groups = self._adamw.param_groups + [{**muon, **g} for g in muon_groups]
@@ -262,6 +266,8 @@ def orthogonalized_update(
     Returns:
         A tensor of ``u``'s shape and dtype: per block ``b`` (``[a, c]``) ``lr 0.2 sqrt(max(a, c)) NS(b)``.
     """
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch.optim.Muon's own steps
+
     out = torch.empty_like(u)
     for src, dst in zip(u.split(split_sizes, split_dim), out.split(split_sizes, split_dim), strict=True):
         for b, o in zip(src.reshape(-1, *src.shape[-2:]), dst.view(-1, *dst.shape[-2:]), strict=True):
