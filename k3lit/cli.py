@@ -275,9 +275,23 @@ def generate_main(argv: list[str]) -> None:
     print(tok.decode(out[0].tolist()))
 
 
+def export_main(argv: list[str]) -> None:
+    """``k3lit export``: write a checkpoint as a Hugging Face folder that ``transformers.AutoModelForCausalLM
+    .from_pretrained(DIR, trust_remote_code=True)`` loads (k3lit's torch path; k3lit must be installed there)."""
+    from k3lit.export import export_hf
+
+    parser = ArgumentParser(prog="k3lit export", description=export_main.__doc__)
+    parser.add_argument("--ckpt", type=str, required=True,
+                        help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
+    parser.add_argument("--out", type=str, required=True, help="the folder to write")
+    args = parser.parse_args(argv)
+    print(f"wrote {export_hf(args.ckpt, args.out)}")
+
+
 EXTRA_COMMANDS = """k3lit commands besides Lightning's (fit, validate, test, predict, below):
   k3lit prepare --config RECIPE          tokenise the recipe's corpus into litdata chunks
   k3lit generate --ckpt CKPT --prompt S  sample from a checkpoint (file or distributed-checkpoint folder)
+  k3lit export --ckpt CKPT --out DIR     a Hugging Face folder (AutoModelForCausalLM, trust_remote_code)
   k3lit slurm --config RECIPE --nodes N --gpus_per_node G ...   render an sbatch script
 Each takes --help.
 """
@@ -293,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
             return prepare_main(args[1:])
         if args and args[0] == "generate":
             return generate_main(args[1:])
+        if args and args[0] == "export":
+            return export_main(args[1:])
         if args and args[0] == "slurm":
             from k3lit.slurm import slurm_main
 

@@ -1,26 +1,37 @@
-"""Optimizer and learning-rate schedule settings: AdamW with linear warmup and cosine decay."""
+"""Optimizer and learning-rate schedule settings: AdamW, or Muon on the hidden matrices with AdamW on the rest;
+linear warmup and cosine decay for both."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+OPTIMIZERS = ("adamw", "muon")
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz iteration of torch.optim.Muon
+MUON_LR_RULE = "match_rms_adamw"  # update scaled by 0.2 sqrt(max(A, B)): AdamW's lr and weight decay carry over
 
 
 @dataclass
 class OptimConfig:
-    """AdamW and its schedule (``--optim.<field>`` on the CLI).
+    """The optimizer and its schedule (``--optim.<field>`` on the CLI).
 
     Attributes:
-        lr: peak learning rate.
+        name: ``adamw`` (every parameter by AdamW) or ``muon`` (the hidden matrices by Muon with the update
+            scaled to AdamW's RMS, everything else by AdamW; see :func:`muon_matrices` and :class:`MuonAdamW`).
+        lr: peak learning rate (of both parts under ``muon``).
         min_lr_ratio: final learning rate as a fraction of ``lr`` at the end of the cosine.
         warmup_steps: optimizer steps of linear warmup from 0.
         weight_decay: decoupled weight decay on matrices (not on norms, biases or pseudo-queries).
         beta1, beta2, eps: AdamW moments.
+        momentum, ns_steps: Muon's Nesterov momentum and Newton-Schulz iterations (``muon`` only).
     """
 
+    name: str = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -28,14 +39,22 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    momentum: float = 0.95
+    ns_steps: int = 5
 
     def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"OptimConfig.name={self.name!r}: choose one of {OPTIMIZERS}")
         if not self.lr > 0:
             raise ValueError(f"OptimConfig.lr={self.lr}: must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"OptimConfig.min_lr_ratio={self.min_lr_ratio}: must lie in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"OptimConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"OptimConfig.momentum={self.momentum}: must lie in [0, 1)")
+        if not 1 <= self.ns_steps < 100:
+            raise ValueError(f"OptimConfig.ns_steps={self.ns_steps}: must lie in [1, 99]")
 
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step`` of ``total_steps``: linear warmup, cosine decay."""
@@ -48,39 +67,215 @@ class OptimConfig:
     def build(
         self, model: nn.Module, total_steps: int, fused: bool = True
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        """AdamW over ``model`` (decay only on parameters with >= 2 dims) and its step-wise schedule.
+        """The optimizer over ``model`` and its step-wise schedule (one schedule for every parameter group).
+
+        ``adamw``: AdamW, decay only on parameters with >= 2 dims. ``muon``: :class:`MuonAdamW`, the matrices of
+        :func:`muon_matrices` by Muon (with decay), the other parameters by AdamW as under ``adamw``.
 
         The fused AdamW kernel (one launch per parameter group and step, like ``benchmarks/throughput.py``) when
-        ``fused`` and every parameter is a plain CUDA tensor; elsewhere torch's default: ``foreach`` for DTensor
-        parameters (FSDP2, expert meshes), the per-parameter loop on CPU (whose numerics the CPU tests pin).
-        ``fused=False`` where a gradient scaler must unscale the gradients before they are clipped (fp16 autocast).
+        ``fused`` and every AdamW parameter is a plain CUDA tensor; elsewhere torch's default: ``foreach`` for
+        DTensor parameters (FSDP2, expert meshes), the per-parameter loop on CPU (whose numerics the CPU tests
+        pin). ``fused=False`` where a gradient scaler must unscale the gradients before they are clipped (fp16
+        autocast).
         """
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.lr,
-            betas=(self.beta1, self.beta2),
-            eps=self.eps,
-            fused=True if fused and _fused_supported(decay + no_decay) else None,
-        )
+        matrices = muon_matrices(model) if self.name == "muon" else {}
+        rest = [p for p in model.parameters() if p.requires_grad and p not in matrices]
+        decay = [p for p in rest if p.dim() >= 2]
+        no_decay = [p for p in rest if p.dim() < 2]
+        adamw_groups = [{"params": decay, "weight_decay": self.weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}]
+        adamw = dict(lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
+                     fused=True if fused and _fused_supported(decay + no_decay) else None)
+        if self.name == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(adamw_groups, **adamw)
+        else:
+            layouts: dict[tuple[int, tuple[int, ...]], list[nn.Parameter]] = {}
+            for p, layout in matrices.items():
+                layouts.setdefault(layout, []).append(p)
+            muon_groups = [{"params": ps, "split_dim": dim, "split_sizes": list(sizes)}
+                           for (dim, sizes), ps in layouts.items()]
+            opt = MuonAdamW(adamw_groups, muon_groups, weight_decay=self.weight_decay, momentum=self.momentum,
+                            ns_steps=self.ns_steps, **adamw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps))
         return opt, sched
 
     def apply(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:
         """Set this config on an optimizer and schedule of :meth:`build` whose states were restored from a
-        checkpoint (which restores the saved lr, betas, eps, weight decay and the schedule's base lr): the
-        current step keeps its place in the schedule, now computed with this config's values."""
+        checkpoint (which restores the saved lr, betas, eps, weight decay, momentum and the schedule's base lr):
+        the current step keeps its place in the schedule, now computed with this config's values.
+
+        Raises:
+            ValueError: the checkpoint's optimizer is not the one this config names (its state cannot continue).
+        """
+        saved = "muon" if isinstance(opt, MuonAdamW) else "adamw"
+        if saved != self.name:
+            raise ValueError(f"optim.name={self.name!r}, but the optimizer restored from the checkpoint is "
+                             f"{saved!r}: resume with --optim.name={saved}")
         sched.base_lrs = [self.lr] * len(opt.param_groups)
         for group, factor in zip(opt.param_groups, sched.lr_lambdas, strict=True):
             group.update(lr=self.lr * factor(sched.last_epoch), initial_lr=self.lr, betas=(self.beta1, self.beta2),
                          eps=self.eps)
-        opt.param_groups[0]["weight_decay"] = self.weight_decay  # the matrices; the other group has none
+            if group.get("muon"):
+                group.update(weight_decay=self.weight_decay, momentum=self.momentum, ns_steps=self.ns_steps)
+        opt.param_groups[0]["weight_decay"] = self.weight_decay  # the AdamW matrices; the second group has none
         sched._last_lr = [group["lr"] for group in opt.param_groups]
+
+
+def muon_matrices(model: nn.Module) -> dict[nn.Parameter, tuple[int, tuple[int, ...]]]:
+    """The parameters of ``model`` that Muon trains, each with its block layout ``(dim, sizes)``: the weight is
+    split along ``dim`` (-2 or -1) into blocks of ``sizes`` (one block: the whole width), and every block of
+    every leading index is orthogonalised on its own.
+
+    - The weight of every ``nn.Linear`` except the LM head (and so the router, the attention, KDA and MLP
+      projections, the shared experts): ``[out, in]``.
+    - Fused projections are split into the matrices they fuse: softmax attention's ``qkv`` and KDA's
+      ``qkv_proj`` into q, k and v (three maps with their own roles and scales; orthogonalising their
+      concatenation would equalise the singular values across them), KDA's ``down_proj`` into the beta logits,
+      the decay-gate down and the output-gate down projections, SwiGLU's ``w_gate_up`` into gate and up. A
+      projection spanning several heads stays one matrix (as a separate projection per head would be the same
+      function with a different update: the heads share one input space and are trained as one map).
+    - The stacked experts (``[n, D, 2F]`` gate | up split on the last dim, ``[n, F, D]``): each expert's matrices.
+
+    The embedding, the LM head (tied or not), norms, biases, KDA's gate bias, the AttnRes pseudo-queries and
+    the short-convolution kernels are left to AdamW.
+    """
+    from k3lit.nn.attention import SoftmaxAttention
+    from k3lit.nn.kda import KimiDeltaAttention
+    from k3lit.nn.mlp import SwiGLU
+    from k3lit.nn.moe import GroupedExperts
+
+    out: dict[nn.Parameter, tuple[int, tuple[int, ...]]] = {}
+    head = getattr(model, "lm_head", None)
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m is not head:
+            out[m.weight] = (-2, (m.weight.shape[0],))
+        elif isinstance(m, GroupedExperts):
+            f = m.w_down.shape[1]
+            out[m.w_gate_up] = (-1, (f, f))
+            out[m.w_down] = (-1, (m.w_down.shape[-1],))
+    for m in model.modules():
+        if isinstance(m, SoftmaxAttention | KimiDeltaAttention):
+            inner = m.n_heads * m.head_dim
+            out[m.qkv.weight if isinstance(m, SoftmaxAttention) else m.qkv_proj.weight] = (-2, (inner,) * 3)
+        if isinstance(m, KimiDeltaAttention):
+            out[m.down_proj.weight] = (-2, (m.n_heads, m.head_dim, m.head_dim))
+        elif isinstance(m, SwiGLU):
+            out[m.w_gate_up.weight] = (-2, (m.hidden_dim, m.hidden_dim))
+    return {p: layout for p, layout in out.items() if p.requires_grad}
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer (one state dict, one schedule) of two kinds of parameter groups: AdamW groups, stepped by
+    an inner :class:`torch.optim.AdamW` that shares this optimizer's groups and state, and Muon groups
+    (``group["muon"]`` true), stepped as :class:`torch.optim.Muon` with ``adjust_lr_fn="match_rms_adamw"``.
+
+    A Muon step per parameter: ``buf <- lerp(buf, g, 1 - momentum)``, Nesterov ``u = lerp(g, buf, momentum)``,
+    each block ``B`` (``[A, C]``) of ``u`` orthogonalised by torch's Newton-Schulz iteration (in bfloat16) and
+    scaled by ``0.2 sqrt(max(A, C))``, then ``p <- p (1 - lr wd) - lr U``. Blocks come from the group's layout
+    (``split_dim``, ``split_sizes``, see :func:`muon_matrices`), with every leading index (expert) on its own;
+    torch's Muon takes whole 2-D matrices only.
+
+    DTensor parameters (FSDP2 shards, expert-parallel experts, both): the Newton-Schulz iteration needs whole
+    matrices, so each parameter's Nesterov update is gathered (``full_tensor``: one parameter at a time, the
+    whole stacked experts of a layer for an expert weight), orthogonalised on every rank alike, and each rank
+    keeps its own shard of the result. The momentum buffer stays sharded like the parameter.
+
+    Args:
+        adamw_groups: parameter groups for AdamW (each may set its ``weight_decay``).
+        muon_groups: parameter groups for Muon, each with ``split_dim`` and ``split_sizes``.
+        lr, betas, eps, fused: AdamW's settings (``lr`` also Muon's, before the RMS matching).
+        weight_decay: Muon's decoupled weight decay.
+        momentum, ns_steps: Muon's momentum and Newton-Schulz iterations.
+
+    Raises:
+        RuntimeError: torch has no ``torch.optim.Muon`` (before 2.9).
+    """
+
+    def __init__(
+        self,
+        adamw_groups: list[dict[str, Any]],
+        muon_groups: list[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        momentum: float,
+        ns_steps: int,
+        fused: bool | None = None,
+    ) -> None:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"optim.name=muon needs torch >= 2.9 (torch.optim.Muon); this is {torch.__version__}")
+        self._adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, fused=fused)
+        muon = dict(muon=True, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps)
+        groups = self._adamw.param_groups + [{**muon, **g} for g in muon_groups]
+        super().__init__(groups, dict(lr=lr, muon=False))
+        self._share()
+
+    def _share(self) -> None:
+        """Point the inner AdamW at this optimizer's AdamW groups and state (after construction and loading)."""
+        self._adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
+        self._adamw.state = self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state_dict)
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One step of every group; ``closure`` (re-evaluating the loss with gradients) runs first, once."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._adamw.step()
+        for group in self.param_groups:
+            if group["muon"]:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._muon_step(p, group)
+        return loss
+
+    def _muon_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        buf, momentum = state["momentum_buffer"], group["momentum"]
+        buf.lerp_(p.grad, 1 - momentum)
+        nesterov = p.grad.lerp(buf, momentum)
+        full = nesterov.full_tensor() if isinstance(nesterov, DTensor) else nesterov
+        lr = float(group["lr"])
+        update = orthogonalized_update(full, group["split_dim"], group["split_sizes"], group["ns_steps"], lr)
+        if isinstance(p, DTensor):  # every rank holds the same full update: keep this rank's shard, no exchange
+            update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+        p.mul_(1 - lr * group["weight_decay"])
+        p.sub_(update)
+
+
+def orthogonalized_update(
+    u: torch.Tensor, split_dim: int, split_sizes: list[int], ns_steps: int, lr: float
+) -> torch.Tensor:
+    """``lr`` times the RMS-matched orthogonalisation of every block of ``u``.
+
+    Args:
+        u: ``[..., A, C]`` Nesterov momentum of one parameter (a plain tensor; leading dims index experts).
+        split_dim: -2 or -1, the dim along which the blocks lie.
+        split_sizes: block widths along ``split_dim`` (summing to its size).
+        ns_steps: Newton-Schulz iterations.
+        lr: learning rate (before the per-block ``0.2 sqrt(max(a, c))`` factor).
+
+    Returns:
+        A tensor of ``u``'s shape and dtype: per block ``b`` (``[a, c]``) ``lr 0.2 sqrt(max(a, c)) NS(b)``.
+    """
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch.optim.Muon's own steps
+
+    out = torch.empty_like(u)
+    for src, dst in zip(u.split(split_sizes, split_dim), out.split(split_sizes, split_dim), strict=True):
+        for b, o in zip(src.reshape(-1, *src.shape[-2:]), dst.view(-1, *dst.shape[-2:]), strict=True):
+            ortho = _zeropower_via_newtonschulz(b, NS_COEFFICIENTS, ns_steps, 1e-7)
+            o.copy_(ortho.to(u.dtype) * _adjust_lr(lr, MUON_LR_RULE, b.shape))
+    return out
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
     """Every parameter a plain (not DTensor) CUDA tensor: the case the fused AdamW kernel is used for."""
-    from torch.distributed.tensor import DTensor
-
     return bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
