@@ -44,9 +44,12 @@ def mix_dtype(embedding: torch.Tensor) -> torch.dtype | None:
     dtype; autocast leaves float64 alone, and devices without autocast, such as ``meta``, have none). A mix is a
     sublayer's input, formed in float32 and rounded once; keeping it in float32 beside the float32 embedding
     moves twice the bytes through every phase-1 write, merge and pre-norm (benchmarks/RESULTS.md, "Attention
-    residuals × checkpointing (H200, 300m, batch 8): against the targets")."""
+    residuals × checkpointing"). ``torch.compile`` cannot trace ``is_autocast_available`` (a graph break, which
+    inside the training loop over segments sends the whole model back to eager), so CPU and CUDA, which always
+    have autocast, are answered without it."""
     kind = embedding.device.type
-    if embedding.dtype != torch.float32 or not torch.amp.is_autocast_available(kind):
+    available = kind in ("cpu", "cuda") or torch.amp.is_autocast_available(kind)
+    if embedding.dtype != torch.float32 or not available:
         return None
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 

@@ -59,7 +59,7 @@ def _dot_aq(a, b, F32: tl.constexpr):
     TF32 holds exactly: Aq is stored rounded to TF32 (:func:`_tf32`), its partners are bf16 (Delta, dO) or rounded
     by the caller. TF32's mantissa is 8x finer than bfloat16's, and in bf16 these roundings would make most of the
     output's error (``benchmarks/kda_rounding.py`` replays the forward in float64 with each rounding switchable;
-    benchmarks/RESULTS.md, "KDA kernels: against the targets"). Also the backward's pair terms (dAq, dA and the
+    docs/DECISIONS.md). Also the backward's pair terms (dAq, dA and the
     rebased K, Q, rounded by the caller; ``_main_bwd``). 3xTF32 for float32 inputs."""
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")

@@ -74,7 +74,7 @@ def _plain_out_shapes(K: int, V: int, dtype: torch.dtype) -> bool:
     """Where the plain forward scan may write the output under ``"auto"``: K, V <= 128 and bf16 or fp16 inputs.
     There :func:`_out_fwd` takes all keys in one product, as the scan does, so that the two sum alike; elsewhere
     it takes 64-wide key steps: float32 inputs' 3xTF32 products in one 128-wide step spill registers, in 64-wide
-    ones they do not (benchmarks/RESULTS.md, "KDA kernels: against the targets")."""
+    ones they do not (docs/DECISIONS.md)."""
     return max(K, V) <= 128 and dtype != torch.float32
 
 
