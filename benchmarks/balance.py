@@ -2,6 +2,7 @@
 
     python benchmarks/balance.py [--steps 1000] [--json out.json] [--only train|router]
     python benchmarks/balance.py --from-json benchmarks/balance_cpu.json    # the stored run
+    python benchmarks/balance.py --only compare --steps 600 --seeds 1234 1235 --json benchmarks/balance_compare_cpu.json
 
 A. ``train``: the same tiny MoE recipe (softmax-attention layers, 16 experts top-2 in every layer, byte
    tokenizer on the built-in stdlib corpus, seed 1234) trained for ``--steps`` optimizer steps with each
@@ -16,7 +17,16 @@ B. ``router``: a fixed skewed synthetic router (per-expert logit offsets ~ N(0, 
    the same router each update; the bias from batch t routes batch t+1. ``settled`` is the mean MaxVio_batch
    over the ``settle`` = 30 updates after the target is first reached (does the balancer stay there?).
 
-The tables go to ``benchmarks/RESULTS.md``, section "Balancing (CPU)".
+C. ``compare`` (run only with ``--only compare``): the one-step quantile against the sliding-average quantile
+   (rates in ``RATES``), the sliding quantile with the quantile capacity mode (cf = 1.25), the sign bias, the
+   auxiliary loss and none, all on the same data, seed and steps (batch 16 x 128 tokens), for each of
+   ``--seeds``. Per balancer: train
+   MaxVio_batch (every step; mean and 95th percentile over the second half, worst MoE layer), held-out
+   MaxVio_global and bits per byte (50 validation batches at the end), dropped and re-routed fractions of the
+   (token, expert) slots over the second half, and the mean wall time of a training step.
+
+The tables of A and B go to ``benchmarks/RESULTS.md``, section "Balancing (CPU)"; C's to "Balancing on real text
+(CPU)".
 """
 
 from __future__ import annotations
@@ -45,6 +55,18 @@ from k3lit.ops.routing import (  # noqa: E402
 )
 
 TITLE = "Balancing (CPU)"
+COMPARE_TITLE = "Balancing on real text (CPU)"
+RATES = (0.3, 0.1, 0.03)
+# name -> ModelConfig balancer fields of part C
+VARIANTS = {
+    "quantile (one step)": {"balancer": "quantile"},
+    **{f"sliding quantile ρ = {r}": {"balancer": "quantile", "quantile_rate": r} for r in RATES},
+    "sliding ρ = 0.1 + quantile capacity 1.25": {"balancer": "quantile", "quantile_rate": 0.1,
+                                                 "capacity_factor": 1.25, "capacity_mode": "quantile"},
+    "sign bias (u = 1e-3)": {"balancer": "aux_free", "bias_update_rate": 1e-3},
+    "aux loss (α = 1e-2)": {"balancer": "aux_loss", "aux_loss_coef": 1e-2},
+    "none": {"balancer": "none"},
+}
 BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 NAMES = {"quantile": "quantile (exact pooled)", "quantile_hist": "quantile_hist (1000-bin histogram)",
          "aux_free": "sign bias (u = 1e-3)", "aux_loss": "aux loss (α = 1e-2)", "none": "none"}
@@ -95,6 +117,100 @@ def train_runs(steps: int, cache: str) -> dict:
         }
         print(bal, out[bal], flush=True)
     return out
+
+
+# ---------------------------------------------------------------------------------- C. balancers compared
+class _StepStats:
+    """Per optimizer step: MaxVio_batch of every MoE layer, dropped / re-routed slots and wall time (a Lightning
+    callback, built lazily; one micro-batch per step, so the latest forward is the step's batch)."""
+
+    def __new__(cls, record: dict):  # noqa: ANN204
+        import lightning as L
+
+        class S(L.Callback):
+            def on_train_batch_start(self, *args) -> None:  # noqa: ANN002
+                self.t0 = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, module, *args) -> None:  # noqa: ANN001, ANN002
+                moes = module.model.moe_layers()
+                m = float(moes[0].last_stats["tokens"])
+                record["max_vio"].append([float(max_violation(x.last_load, x.top_k, m)) for x in moes])
+                slots = m * moes[0].top_k * len(moes)
+                record["dropped"].append(sum(float(x.last_stats["dropped"]) for x in moes) / slots)
+                record["rerouted"].append(sum(float(x.last_stats["rerouted"]) for x in moes) / slots)
+                record["step_s"].append(time.perf_counter() - self.t0)
+
+        return S()
+
+
+def compare_runs(steps: int, cache: str, seed: int) -> dict:
+    import lightning as L
+
+    from k3lit.data import K3DataModule
+    from k3lit.model import ModelConfig
+    from k3lit.train.module import K3LitModule
+    from k3lit.train.optim import OptimConfig
+
+    out = {}
+    for name, fields in VARIANTS.items():
+        L.seed_everything(seed, verbose=False)
+        dm = K3DataModule(corpus="stdlib", tokenizer="byte", cache_dir=cache, seq_len=128, batch_size=16)
+        cfg = ModelConfig(vocab_size=dm.vocab_size, dim=64, n_layers=2, layer_pattern="A", n_heads=2, head_dim=32,
+                          mlp_hidden=128, n_experts=16, top_k=2, expert_dim=32, first_dense_layers=0,
+                          residual="plain", **fields)
+        module = K3LitModule(cfg, OptimConfig(lr=3e-3, warmup_steps=20))
+        record = {"max_vio": [], "dropped": [], "rerouted": [], "step_s": []}
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, val_check_interval=steps,
+                            limit_val_batches=50, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+                            callbacks=[_StepStats(record)])
+        t0 = time.time()
+        trainer.fit(module, dm)
+        m = trainer.callback_metrics
+        record.update(fields=fields, seconds=time.time() - t0, val_bpb=float(m["val/bpb"]),
+                      max_vio_global=[float(m[f"val/max_vio/layer{i}"]) for i in range(cfg.n_layers)])
+        out[name] = record
+        print(seed, name, {k: v for k, v in record.items() if not isinstance(v, list) or k == "max_vio_global"},
+              flush=True)
+    return out
+
+
+def compare_summary(record: dict) -> dict:
+    """Second-half statistics of one run of :func:`compare_runs`: MaxVio_batch of the worst layer (mean, p95)."""
+    half = len(record["max_vio"]) // 2
+    worst = torch.tensor(record["max_vio"][half:]).amax(dim=1)
+    return {"vio_mean": worst.mean().item(), "vio_p95": worst.quantile(0.95).item(),
+            "dropped": sum(record["dropped"][half:]) / (len(record["dropped"]) - half),
+            "rerouted": sum(record["rerouted"][half:]) / (len(record["rerouted"]) - half),
+            "step_ms": 1e3 * sum(record["step_s"][half:]) / (len(record["step_s"]) - half)}
+
+
+def compare_section(run: dict) -> str:
+    """The RESULTS.md section of part C from :func:`main`'s JSON record ``run``."""
+    threads = run["cpu_threads"]
+    lines = [f"Written by `benchmarks/balance.py --only compare`. {run['date']} · CPU, {threads} thread"
+             f"{'s' * (threads != 1)} · torch {run['torch']} · Python {run['python']}. Command: {run['command']} "
+             f"({run['seconds'] / 60:.1f} min). Raw per-step record: `benchmarks/balance_compare_cpu.json`.", "",
+             f"Each balancer trains the same model for {run['steps']} steps on the same batches, once per seed "
+             f"({', '.join(run['compare'])}): 2 layers "
+             "of softmax attention + MoE (d = 64, 16 experts of width 32, top-2, no shared expert), byte tokenizer "
+             "on the built-in stdlib corpus, batch 16 x 128 = 2,048 tokens a step, AdamW lr 3e-3. Train "
+             "MaxVio_batch: every step's batch, the worse of the two layers, mean and 95th percentile over the "
+             "second half of training; its sampling floor at this batch (a uniformly random router, m = 2,048, "
+             "n = 16, k = 2) is about 0.12. Held-out: 50 validation batches (102,400 tokens) after the last step, "
+             "bias frozen. Dropped / re-routed: fraction of (token, expert) slots over the second half. The two "
+             "seeds' rows show the seed noise.", "",
+             "| balancer | seed | train MaxVio_batch mean | p95 | held-out MaxVio_global (layer 0 / 1) | held-out bpb "
+             "| dropped | re-routed | ms / step |", "|---|---|---|---|---|---|---|---|---|"]
+    seeds = list(run["compare"])
+    for name in run["compare"][seeds[0]]:
+        for seed in seeds:
+            r = run["compare"][seed][name]
+            s = compare_summary(r)
+            lines.append(f"| {name} | {seed} | {s['vio_mean']:.3f} | {s['vio_p95']:.3f} | "
+                         + " / ".join(f"{v:.3f}" for v in r["max_vio_global"])
+                         + f" | {r['val_bpb']:.4f} | {s['dropped']:.4f} | {s['rerouted']:.4f} | {s['step_ms']:.0f} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------ B. synthetic router
@@ -185,15 +301,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--max-updates", type=int, default=1500)
-    ap.add_argument("--only", choices=("train", "router"), default=None)
+    ap.add_argument("--only", choices=("train", "router", "compare"), default=None)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1234], help="seeds of the compare runs")
     ap.add_argument("--from-json", help="write the section from the record of an earlier run (no training)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     a = ap.parse_args(argv)
     if a.from_json:
         with open(a.from_json) as fh:
-            body = section(json.load(fh))
-        write_section(TITLE, body, a.results)
+            run = json.load(fh)
+        title, body = (COMPARE_TITLE, compare_section(run)) if "compare" in run else (TITLE, section(run))
+        write_section(title, body, a.results)
         print(body)
         return
     torch.manual_seed(0)
@@ -207,11 +325,19 @@ def main(argv: list[str] | None = None) -> None:
     if a.only in (None, "train"):
         with tempfile.TemporaryDirectory() as cache:
             out["train"] = train_runs(a.steps, cache)
+    if a.only == "compare":
+        with tempfile.TemporaryDirectory() as cache:
+            out["compare"] = {str(seed): compare_runs(a.steps, cache, seed) for seed in a.seeds}
     out["seconds"] = time.time() - t0
-    print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+            json.dump(out, fh)
+    if a.only == "compare":
+        body = compare_section(out)
+        write_section(COMPARE_TITLE, body, a.results)
+        print(body)
+        return
+    print(json.dumps(out, indent=1))
     write_section(TITLE, section(out), a.results)
 
 

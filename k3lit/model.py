@@ -22,7 +22,7 @@ from k3lit.nn.attention import SoftmaxAttention
 from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream, block_read
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.nn.mlp import SwiGLU
-from k3lit.nn.moe import MoE
+from k3lit.nn.moe import CAPACITY_MODES, MoE
 from k3lit.nn.norm import RMSNorm
 from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
 
@@ -44,7 +44,7 @@ BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 # computed (recomputation, KDA implementation) and the balancers' training knobs. Every other field shapes the
 # parameters and buffers or what the trained weights compute, so it is taken from the checkpoint.
 RUNTIME_FIELDS = ("activation_checkpointing", "checkpoint_blocks", "kda_backend", "bias_update_rate", "aux_loss_coef",
-                  "capacity_factor")
+                  "capacity_factor", "capacity_mode", "quantile_rate", "balancer_sync_every")
 
 
 @dataclass
@@ -69,8 +69,17 @@ class ModelConfig:
             ``aux_free`` (sign bias), ``aux_loss``, ``none``.
         bias_update_rate: step size u of the ``aux_free`` sign-bias update.
         aux_loss_coef: α of the ``aux_loss`` balancer.
-        capacity_factor: None (no limit) or cf > 0: each expert takes at most ``ceil(cf · m k / n)`` tokens
-            of a micro-batch (per rank); overflow is re-routed to the next candidate with room, else dropped.
+        capacity_factor: None (no limit) or cf > 0: an expert's capacity is ``cf · m k / n`` of m tokens;
+            overflow is re-routed to the next candidate with room, else dropped.
+        capacity_mode: ``forward``: each expert takes at most ``ceil(cf · m k / n)`` tokens of a micro-batch
+            (per rank), so a token's routing depends on the later tokens of its sequence; ``quantile``: each
+            expert admits only tokens whose score reaches its running threshold, the score above which
+            ``cf · m k / n`` of a step's tokens chose it (estimated from earlier steps: routing stays causal).
+        quantile_rate: ρ ∈ (0, 1], rate of the sliding-average quantile: every optimizer step moves the bias
+            of ``quantile`` / ``quantile_hist`` (and the ``quantile`` capacity threshold) by ρ towards that
+            step's estimate, an average over about 1/ρ steps; 1 = the one-step estimate.
+        balancer_sync_every: None (every step pools the balancer statistics of all ranks) or N >= 1 (each rank
+            estimates from its own tokens; the ranks' running estimates are averaged every N steps).
         residual: ``plain`` (x + f(x)), ``block_attnres`` or ``full_attnres``.
         attnres_block_size: sublayers per block for ``block_attnres`` (2 sublayers = 1 transformer layer).
         activation_checkpointing: ``none``; ``layer`` (recompute each sublayer); ``block`` (keep only the
@@ -110,6 +119,9 @@ class ModelConfig:
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 1e-2
     capacity_factor: float | None = None
+    capacity_mode: str = "forward"
+    quantile_rate: float = 1.0
+    balancer_sync_every: int | None = None
     residual: str = "block_attnres"
     attnres_block_size: int = 4
     activation_checkpointing: str = "none"
@@ -152,6 +164,12 @@ class ModelConfig:
             raise bad("balancer", f"choose one of {BALANCERS}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise bad("capacity_factor", "must be > 0 (e.g. 1.25), or null for no capacity limit")
+        if self.capacity_mode not in CAPACITY_MODES:
+            raise bad("capacity_mode", f"choose one of {CAPACITY_MODES}")
+        if not 0 < self.quantile_rate <= 1:
+            raise bad("quantile_rate", "must lie in (0, 1] (1 = the one-step quantile, 0.1 = a ~10-step average)")
+        if self.balancer_sync_every is not None and self.balancer_sync_every < 1:
+            raise bad("balancer_sync_every", "must be >= 1, or null to pool every rank's statistics every step")
         if self.residual not in RESIDUALS:
             raise bad("residual", f"choose one of {RESIDUALS}")
         if self.attnres_block_size < 1:
@@ -217,7 +235,8 @@ class K3LM(nn.Module):
                 mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps)
             if c.is_moe(layer):
                 channel = MoE(c.dim, c.n_experts, c.top_k, c.expert_dim, c.n_shared_experts, c.balancer,
-                              c.bias_update_rate, c.aux_loss_coef, c.capacity_factor)
+                              c.bias_update_rate, c.aux_loss_coef, c.capacity_factor, c.quantile_rate,
+                              c.balancer_sync_every, c.capacity_mode)
             else:
                 channel = SwiGLU(c.dim, c.mlp_hidden)
             sublayers += [Sublayer(mixer, c.dim, c.norm_eps, attn_res), Sublayer(channel, c.dim, c.norm_eps, attn_res)]

@@ -108,10 +108,12 @@ class CrashAt(Callback):
             raise KeyboardInterrupt  # what Ctrl-C does; Lightning tears down and exits
 
 
-def test_resume_continues_same_stream_optimizer_and_balancer(tmp_path, cache, monkeypatch):
+@pytest.mark.parametrize("balancer", [[], ["--model.quantile_rate=0.5", "--model.capacity_factor=1.0",
+                                             "--model.capacity_mode=quantile"]], ids=["one_step", "sliding_capacity"])
+def test_resume_continues_same_stream_optimizer_and_balancer(tmp_path, cache, monkeypatch, balancer):
     monkeypatch.chdir(Path(__file__).parents[1])
     ckpt = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=6",
-            "--trainer.callbacks.save_last=true", "--trainer.callbacks.save_top_k=0"]
+            "--trainer.callbacks.save_last=true", "--trainer.callbacks.save_top_k=0", *balancer]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     main(fit_args(whole, cache, 12, *ckpt, f"--trainer.callbacks.dirpath={whole / 'checkpoints'}"))
     interrupted = fit_args(parts, cache, 12, *ckpt, f"--trainer.callbacks.dirpath={parts / 'checkpoints'}")
@@ -128,6 +130,9 @@ def test_resume_continues_same_stream_optimizer_and_balancer(tmp_path, cache, mo
     for name, tensor in a["state_dict"].items():
         assert torch.equal(tensor, b["state_dict"][name]), name  # weights and the quantile bias buffers
     assert any("expert_bias" in n and tensor.abs().sum() > 0 for n, tensor in a["state_dict"].items())
+    assert all(int(t) == 12 for n, t in a["state_dict"].items() if n.endswith("balancer_step"))
+    if balancer:  # the running capacity thresholds, like the running bias, continue from the checkpoint
+        assert any("capacity_threshold" in n and t.abs().sum() > 0 for n, t in a["state_dict"].items())
     opt_a, opt_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
     assert all(torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"]) for i in opt_a)
     assert a["lr_schedulers"][0]["last_epoch"] == b["lr_schedulers"][0]["last_epoch"] == 12

@@ -14,8 +14,14 @@ Balancer life cycle (docs/MATH.md §2):
   ``aux_free``) and routes with the *current* bias;
 * the training loop calls :meth:`MoE.update_balancer` (or :func:`update_balancers` on the whole model)
   once per optimizer step; it pools every micro-batch of the step (and every rank, when
-  ``torch.distributed`` is initialised), computes the new bias and clears the statistics, so a batch is
-  never routed by a bias derived from itself;
+  ``torch.distributed`` is initialised), computes the step's estimate, moves the running bias towards it
+  by ``quantile_rate`` (the sliding-average quantile; 1 = the one-step estimate) and clears the statistics, so
+  a batch is never routed by a bias derived from itself;
+* with ``sync_every = N`` the ranks skip the pooling: each moves its own bias towards the estimate from its
+  own tokens, and every N-th update the ranks' biases (and capacity thresholds) are averaged, one all-reduce
+  of ``2 n`` floats;
+* in the ``quantile`` capacity mode the same update keeps a running per-expert score threshold (the level
+  above which an expert's choosers filled its capacity), which limits the next steps' routing token by token;
 * nothing is recorded in eval mode (the bias is frozen at inference), nor in the second forward that
   activation checkpointing runs inside backward.
 """
@@ -36,6 +42,8 @@ from k3lit.ops.permute import dispatch_tokens, sort_slots, undo_sort
 from k3lit.ops.routing import (
     aux_loss,
     capacity_route,
+    capacity_threshold_from_histogram,
+    chooser_score_histogram,
     expert_counts,
     expert_load,
     quantile_bias,
@@ -44,12 +52,15 @@ from k3lit.ops.routing import (
     route,
     router_entropy,
     sign_bias_update,
+    sliding_average,
 )
 
-__all__ = ["MoE", "GroupedExperts", "BALANCERS", "update_balancers"]
+__all__ = ["MoE", "GroupedExperts", "BALANCERS", "CAPACITY_MODES", "update_balancers"]
 
 BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
-HIST_BINS = 1000  # bins per expert of the quantile_hist estimator (docs/MATH.md §2)
+CAPACITY_MODES = ("forward", "quantile")
+HIST_BINS = 1000  # bins per expert of the quantile_hist estimator and of the capacity threshold (docs/MATH.md §2)
+_FLOAT32_BUFFERS = ("expert_bias", "capacity_threshold")
 _PENDING_WARN = 4096  # micro-batches without an update_balancer() call before we warn once
 
 
@@ -129,13 +140,29 @@ class MoE(nn.Module):
             ``"aux_loss"`` (Switch/GShard loss, coefficient ``aux_loss_coef``) or ``"none"``.
         bias_update_rate: u of the ``aux_free`` sign rule.
         aux_loss_coef: α of the ``aux_loss`` balancer.
-        capacity_factor: None (no limit) or cf > 0: each expert takes at most ``ceil(cf · m k / n)`` of the
-            ``m`` tokens of a forward (per rank); overflow goes to the token's next candidate expert with
-            room, else is dropped (:func:`k3lit.ops.routing.capacity_route`).
+        capacity_factor: None (no limit) or cf > 0, the capacity ``cf · m k / n`` of an expert for m tokens;
+            overflow goes to the token's next candidate expert with room, else is dropped
+            (:func:`k3lit.ops.routing.capacity_route`). How the limit applies is ``capacity_mode``.
+        quantile_rate: rate ρ ∈ (0, 1] of the sliding-average quantile: each optimizer step moves the bias
+            of the ``quantile`` / ``quantile_hist`` balancers by ρ towards that step's estimate (and the
+            capacity threshold towards its own), an average over about 1/ρ steps; 1 = the one-step estimate.
+        sync_every: None (every update pools the statistics of every rank) or N >= 1: each rank estimates
+            from its own tokens, and the ranks' running estimates are averaged every N-th update (one
+            all-reduce of ``2 n`` floats instead of pooling every score or histogram each step).
+        capacity_mode: ``"forward"``: each expert takes at most ``ceil(cf · m k / n)`` of the ``m`` tokens of a
+            forward (per rank), so a token's routing depends on the other tokens of the forward, the later
+            positions of its own sequence included. ``"quantile"``: expert j admits token i only if
+            ``s_ij >= capacity_threshold_j``, a running estimate (rate ``quantile_rate``) of the score above
+            which ``cf · m k / n`` of the step's tokens chose j; the threshold comes from earlier steps, so a
+            token's routing depends on its own scores and the module's state alone (causal).
 
     Attributes:
         expert_bias: ``[n]`` float32 buffer; stays float32 under ``.to(dtype)``, ``.half()``, ``.bfloat16()``
             and Lightning precision plugins (see :meth:`_apply`). Saved in the state dict.
+        capacity_threshold: ``[n]`` float32 buffer, the per-expert score threshold of the ``quantile``
+            capacity mode (0 = no limit; stays 0 otherwise). Saved in the state dict, kept float32 like the bias.
+        balancer_step: 0-d int64 buffer, balancer updates so far (the ``sync_every`` schedule). Saved in the
+            state dict, so a resumed run keeps the schedule.
         experts: the stacked experts (:class:`GroupedExperts`).
         aux_loss: scalar tensor with the coefficient applied, set by a training forward of the ``aux_loss``
             balancer (None otherwise); add it to the task loss.
@@ -161,6 +188,9 @@ class MoE(nn.Module):
         bias_update_rate: float = 1e-3,
         aux_loss_coef: float = 1e-2,
         capacity_factor: float | None = None,
+        quantile_rate: float = 1.0,
+        sync_every: int | None = None,
+        capacity_mode: str = "forward",
     ) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("n_experts", n_experts), ("top_k", top_k), ("expert_dim", expert_dim)):
@@ -172,6 +202,12 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: balancer must be one of {BALANCERS}, got {balancer!r}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"MoE: capacity_factor must be > 0 or None, got {capacity_factor}")
+        if not 0 < quantile_rate <= 1:
+            raise ValueError(f"MoE: quantile_rate must lie in (0, 1], got {quantile_rate}")
+        if sync_every is not None and sync_every < 1:
+            raise ValueError(f"MoE: sync_every must be >= 1 or None, got {sync_every}")
+        if capacity_mode not in CAPACITY_MODES:
+            raise ValueError(f"MoE: capacity_mode must be one of {CAPACITY_MODES}, got {capacity_mode!r}")
         quantile = balancer in ("quantile", "quantile_hist")
         k_max = n_experts - 1 if quantile else n_experts
         if top_k > k_max:
@@ -183,12 +219,15 @@ class MoE(nn.Module):
         self.dim, self.n_experts, self.top_k, self.expert_dim = dim, n_experts, top_k, expert_dim
         self.n_shared_experts, self.balancer = n_shared_experts, balancer
         self.bias_update_rate, self.aux_loss_coef = bias_update_rate, aux_loss_coef
-        self.capacity_factor = capacity_factor
+        self.capacity_factor, self.capacity_mode = capacity_factor, capacity_mode
+        self.quantile_rate, self.sync_every = quantile_rate, sync_every
 
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, expert_dim)
         self.shared = SwiGLU(dim, n_shared_experts * expert_dim) if n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.register_buffer("capacity_threshold", torch.zeros(n_experts, dtype=torch.float32))
+        self.register_buffer("balancer_step", torch.zeros((), dtype=torch.int64))
         self.process_group: dist.ProcessGroup | None = None
         self.dispatcher: Callable[..., torch.Tensor] | None = None
 
@@ -199,6 +238,8 @@ class MoE(nn.Module):
         self._pending_hist: torch.Tensor | None = None  # quantile_hist: [n, HIST_BINS] int64 summed counts
         self._hist_range: tuple[torch.Tensor, torch.Tensor] | None = None  # quantile_hist: bin range this step
         self._pending_load: torch.Tensor | None = None  # aux_free: [n] float32 summed over micro-batches
+        self._pending_choosers: torch.Tensor | None = None  # quantile capacity: [n, HIST_BINS] int64 counts
+        self._pending_m: torch.Tensor | None = None  # quantile capacity: 0-d int64 tokens recorded
         self._pending_batches = 0
         self._warned = False
         self.reset_parameters()
@@ -216,10 +257,14 @@ class MoE(nn.Module):
     def reset_parameters(self, std: float | None = None, down_std: float | None = None) -> None:
         """Normal init of the stacked experts: ``w_gate_up ~ N(0, std)`` (default ``dim**-0.5``),
         ``w_down ~ N(0, down_std)`` (default ``expert_dim**-0.5``), and a zero ``expert_bias`` (float32); the
-        router and shared experts are ``nn.Linear`` modules that reset themselves. Works on DTensor shards."""
+        router and shared experts are ``nn.Linear`` modules that reset themselves. Works on DTensor shards.
+        The balancer state (``capacity_threshold``, ``balancer_step``) is zeroed too."""
         nn.init.normal_(self.experts.w_gate_up, std=self.dim**-0.5 if std is None else std)
         nn.init.normal_(self.experts.w_down, std=self.expert_dim**-0.5 if down_std is None else down_std)
         nn.init.zeros_(self.expert_bias)
+        nn.init.zeros_(self.capacity_threshold)
+        with torch.no_grad():
+            self.balancer_step.zero_()
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,9 +276,13 @@ class MoE(nn.Module):
         rerouted = dropped = None
         if self.capacity_factor is None:
             expert_idx, weights = route(scores, self.expert_bias, self.top_k)  # [m, k] int64, [m, k] acc
-        else:  # dropped slots have index -1 and weight 0
+        elif self.capacity_mode == "forward":  # dropped slots have index -1 and weight 0
             expert_idx, weights, rerouted, dropped = capacity_route(
                 scores, self.expert_bias, self.top_k, self.capacity_factor
+            )
+        else:  # causal: a per-expert threshold from earlier steps, no count over this forward's tokens
+            expert_idx, weights, rerouted, dropped = capacity_route(
+                scores, self.expert_bias, self.top_k, min_score=self.capacity_threshold
             )
         self._record(scores, expert_idx, rerouted, dropped)
 
@@ -300,8 +349,14 @@ class MoE(nn.Module):
             "dropped": zero if dropped is None else dropped.float(),
             "entropy": router_entropy(scores),
         }
-        if not self.training or self.balancer not in ("quantile", "quantile_hist", "aux_free"):
+        if not self.training or not (self._balances or self._quantile_capacity):
             return
+        if self._quantile_capacity:  # who would choose each expert without the limit, and with what score
+            counts = chooser_score_histogram(scores.detach(), self.expert_bias, self.top_k, HIST_BINS)
+            m = torch.full((), scores.shape[0], dtype=torch.int64, device=counts.device)
+            first = self._pending_choosers is None
+            self._pending_choosers = counts if first else self._pending_choosers + counts
+            self._pending_m = m if first else self._pending_m + m
         if self.balancer == "quantile":
             self._pending_scores.append(scores.detach().float())
         elif self.balancer == "quantile_hist":
@@ -310,7 +365,7 @@ class MoE(nn.Module):
             counts = required_bias_histogram(scores.detach(), self.expert_bias, self.top_k, *self._hist_range,
                                              HIST_BINS)
             self._pending_hist = counts if self._pending_hist is None else self._pending_hist + counts
-        else:
+        elif self.balancer == "aux_free":
             self._pending_load = load if self._pending_load is None else self._pending_load + load
         self._pending_batches += 1
         if self._pending_batches > _PENDING_WARN and not self._warned:
@@ -322,66 +377,118 @@ class MoE(nn.Module):
             )
 
     @property
+    def _balances(self) -> bool:
+        """Whether the balancer moves the bias (quantile, quantile_hist, aux_free)."""
+        return self.balancer in ("quantile", "quantile_hist", "aux_free")
+
+    @property
+    def _quantile_capacity(self) -> bool:
+        """Whether routing is limited by the running score threshold (``capacity_mode="quantile"``)."""
+        return self.capacity_factor is not None and self.capacity_mode == "quantile"
+
+    @property
     def pending_tokens(self) -> int:
-        """Tokens recorded since the last :meth:`update_balancer` (quantile and aux_free balancers)."""
+        """Tokens recorded since the last :meth:`update_balancer` (balancers that move the bias, and the
+        quantile capacity mode)."""
         if self.balancer == "quantile":
             return sum(s.shape[0] for s in self._pending_scores)
         if self.balancer == "quantile_hist":
             return 0 if self._pending_hist is None else int(self._pending_hist[0].sum())
-        if self._pending_load is None:
-            return 0
-        return round(self._pending_load.sum().item() / self.top_k)
+        if self.balancer == "aux_free":
+            return 0 if self._pending_load is None else round(self._pending_load.sum().item() / self.top_k)
+        return 0 if self._pending_m is None else int(self._pending_m)
 
     def reset_balancer_stats(self) -> None:
         """Drop the statistics recorded since the last update (e.g. after a skipped optimizer step)."""
         self._pending_scores, self._pending_load, self._pending_batches = [], None, 0
         self._pending_hist, self._hist_range = None, None
+        self._pending_choosers, self._pending_m = None, None
 
     @torch.no_grad()
     def update_balancer(self) -> None:
-        """Set the bias for the next optimizer step from every micro-batch recorded in this one.
+        """Set the bias (and capacity threshold) for the next optimizer step from every micro-batch recorded in
+        this one.
 
         Call exactly once per optimizer step, after the last micro-batch's forward, on every rank of
-        :attr:`process_group`. A no-op for the ``aux_loss`` and ``none`` balancers, and when nothing was
-        recorded (single process). Communication per call: ``quantile`` gathers every score row;
+        :attr:`process_group`. A no-op for the ``aux_loss`` and ``none`` balancers without the quantile
+        capacity mode, and when nothing was recorded (single process). The bias of ``quantile`` and
+        ``quantile_hist`` moves by ``quantile_rate`` towards the step's estimate (:func:`sliding_average`).
+        Communication per call with ``sync_every=None``: ``quantile`` gathers every score row;
         ``quantile_hist`` all-reduces ``n · HIST_BINS`` int64 counts (one call); ``aux_free`` all-reduces
-        ``n`` loads.
+        ``n`` loads; the quantile capacity mode all-reduces ``n · HIST_BINS + 1`` int64 counts. With
+        ``sync_every=N``: nothing, except one all-reduce of ``2 n`` floats every N-th call.
         """
-        if self.balancer not in ("quantile", "quantile_hist", "aux_free"):
+        if not (self._balances or self._quantile_capacity):
             return
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
-        device = self.expert_bias.device
-        new_bias = None
-        if self.balancer == "quantile":
-            if not self._pending_scores and not distributed:
-                return
-            scores = (torch.cat(self._pending_scores).to(device) if self._pending_scores
-                      else torch.zeros(0, self.n_experts, device=device))
-            if distributed:
-                scores = _all_gather_rows(scores, self.process_group)
-            new_bias = quantile_bias(scores, self.expert_bias, self.top_k) if scores.shape[0] else None
-        elif self.balancer == "quantile_hist":
-            if self._pending_hist is None and not distributed:
-                return
-            counts = (torch.zeros(self.n_experts, HIST_BINS, dtype=torch.int64, device=device)
-                      if self._pending_hist is None else self._pending_hist.to(device))
-            if distributed:  # every rank must agree on the bin range: it derives from the shared bias
-                dist.all_reduce(counts, group=self.process_group)
-            lo, hi = _hist_range(self.expert_bias)
-            new_bias = torch.where(counts[0].sum() > 0,  # no tokens anywhere: keep the bias (and no host sync)
-                                   quantile_bias_from_histogram(counts, lo, hi, self.top_k), self.expert_bias)
-        else:
-            if self._pending_load is None and not distributed:
-                return
-            load = torch.zeros(self.n_experts, device=device) if self._pending_load is None else self._pending_load
-            if distributed:
-                load = load.clone()
-                dist.all_reduce(load, group=self.process_group)
-            new_bias = torch.where(load.sum() > 0, sign_bias_update(self.expert_bias, load, self.bias_update_rate),
-                                   self.expert_bias)
+        if not distributed and self._pending_batches == 0:
+            return
+        pooled = distributed and self.sync_every is None  # else: this rank's statistics alone
+        new_bias = self._bias_estimate(pooled) if self._balances else None
+        new_threshold = self._threshold_estimate(pooled) if self._quantile_capacity else None
         self.reset_balancer_stats()
         if new_bias is not None:
             self._set_bias(new_bias)
+        if new_threshold is not None:
+            self.capacity_threshold.copy_(sliding_average(self.capacity_threshold, new_threshold, self.quantile_rate))
+        self.balancer_step += 1
+        if distributed and self.sync_every is not None and int(self.balancer_step) % self.sync_every == 0:
+            state = torch.cat([self.expert_bias, self.capacity_threshold])
+            dist.all_reduce(state, group=self.process_group)
+            state /= dist.get_world_size(self.process_group)
+            self.expert_bias.copy_(state[: self.n_experts])
+            self.capacity_threshold.copy_(state[self.n_experts:])
+
+    def _bias_estimate(self, pooled: bool) -> torch.Tensor | None:
+        """The next bias from the recorded statistics (this rank's, or every rank's when ``pooled``); None: keep."""
+        device = self.expert_bias.device
+        if self.balancer == "quantile":
+            if not self._pending_scores and not pooled:
+                return None
+            scores = (torch.cat(self._pending_scores).to(device) if self._pending_scores
+                      else torch.zeros(0, self.n_experts, device=device))
+            if pooled:
+                scores = _all_gather_rows(scores, self.process_group)
+            if not scores.shape[0]:
+                return None
+            return sliding_average(self.expert_bias, quantile_bias(scores, self.expert_bias, self.top_k),
+                                   self.quantile_rate)
+        if self.balancer == "quantile_hist":
+            if self._pending_hist is None and not pooled:
+                return None
+            counts = (torch.zeros(self.n_experts, HIST_BINS, dtype=torch.int64, device=device)
+                      if self._pending_hist is None else self._pending_hist.to(device))
+            if pooled:  # every rank must agree on the bin range: it derives from the shared bias
+                dist.all_reduce(counts, group=self.process_group)
+            lo, hi = _hist_range(self.expert_bias)
+            estimate = quantile_bias_from_histogram(counts, lo, hi, self.top_k)
+            # no tokens anywhere: keep the bias (and no host sync)
+            return torch.where(counts[0].sum() > 0, sliding_average(self.expert_bias, estimate, self.quantile_rate),
+                               self.expert_bias)
+        if self._pending_load is None and not pooled:
+            return None
+        load = torch.zeros(self.n_experts, device=device) if self._pending_load is None else self._pending_load
+        if pooled:
+            load = load.clone()
+            dist.all_reduce(load, group=self.process_group)
+        return torch.where(load.sum() > 0, sign_bias_update(self.expert_bias, load, self.bias_update_rate),
+                           self.expert_bias)
+
+    def _threshold_estimate(self, pooled: bool) -> torch.Tensor | None:
+        """The step's capacity threshold: the score above which ``cf · m k / n`` of the recorded tokens chose
+        each expert (:func:`capacity_threshold_from_histogram`); None: nothing recorded, keep the running one."""
+        if self._pending_choosers is None and not pooled:
+            return None
+        device = self.capacity_threshold.device
+        counts = torch.zeros(self.n_experts * HIST_BINS + 1, dtype=torch.int64, device=device)
+        if self._pending_choosers is not None:
+            counts = torch.cat([self._pending_choosers.reshape(-1), self._pending_m.reshape(1)]).to(device)
+        if pooled:
+            dist.all_reduce(counts, group=self.process_group)
+        m = counts[-1].double()
+        estimate = capacity_threshold_from_histogram(counts[:-1].view(self.n_experts, HIST_BINS),
+                                                     self.capacity_factor * m * self.top_k / self.n_experts)
+        return torch.where(m > 0, estimate, self.capacity_threshold)
 
     def _set_bias(self, new_bias: torch.Tensor) -> None:
         if self.expert_bias.dtype == torch.float32:
@@ -390,22 +497,25 @@ class MoE(nn.Module):
             self._buffers["expert_bias"] = new_bias.float().to(self.expert_bias.device)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
-        """Keep ``expert_bias`` float32 through ``.to(dtype)``, ``.half()`` etc., following only the device.
+        """Keep ``expert_bias`` and ``capacity_threshold`` float32 through ``.to(dtype)``, ``.half()`` etc.,
+        following only the device.
 
-        The original float32 tensor is re-placed (not cast back), so no precision is lost.
+        The original float32 tensors are re-placed (not cast back), so no precision is lost.
         """
-        bias = self.expert_bias
+        kept = {name: self._buffers[name] for name in _FLOAT32_BUFFERS}
         super()._apply(fn, recurse)
-        moved = self.expert_bias
-        if moved.dtype != torch.float32:
-            self._buffers["expert_bias"] = bias.to(device=moved.device)
+        for name, tensor in kept.items():
+            moved = self._buffers[name]
+            if moved.dtype != torch.float32:
+                self._buffers[name] = tensor.to(device=moved.device)
         return self
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, n_experts={self.n_experts}, top_k={self.top_k}, expert_dim={self.expert_dim}, "
             f"n_shared_experts={self.n_shared_experts}, balancer={self.balancer!r}, "
-            f"capacity_factor={self.capacity_factor}"
+            f"capacity_factor={self.capacity_factor}, capacity_mode={self.capacity_mode!r}, "
+            f"quantile_rate={self.quantile_rate}, sync_every={self.sync_every}"
         )
 
 

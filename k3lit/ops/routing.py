@@ -14,7 +14,12 @@ Balancers:
 
 * :func:`required_bias_histogram` + :func:`quantile_bias_from_histogram` -- the distributed estimate of
   :func:`quantile_bias`: integer histogram counts that add up over micro-batches and ranks (one all-reduce).
-* :func:`capacity_route` -- top-k routing with a per-expert capacity; overflow re-routed or dropped.
+* :func:`sliding_average` -- the running average across optimizer steps that turns the one-step quantile
+  bias (or the capacity threshold) into the sliding-average estimate.
+* :func:`capacity_route` -- top-k routing with a per-expert capacity (a count per forward, or a causal score
+  threshold); overflow re-routed or dropped.
+* :func:`chooser_score_histogram` + :func:`capacity_threshold_from_histogram` -- the per-expert score threshold
+  of the quantile capacity mode, from integer counts that add up over micro-batches and ranks.
 
 Metrics: :func:`expert_load`, :func:`max_violation` (``MaxVio``) and :func:`router_entropy`.
 """
@@ -29,6 +34,9 @@ __all__ = [
     "expert_counts",
     "route",
     "capacity_route",
+    "chooser_score_histogram",
+    "capacity_threshold_from_histogram",
+    "sliding_average",
     "quantile_bias",
     "required_bias_histogram",
     "quantile_bias_from_histogram",
@@ -228,21 +236,35 @@ def _rank_within_groups(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
 
 
 def capacity_route(
-    scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float
+    scores: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    capacity_factor: float | None = None,
+    *,
+    min_score: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k routing with an expert capacity ``c = min(ceil(cf · m k / n), m)`` (docs/MATH.md §2, capacity mode).
+    """Top-k routing with an expert capacity (docs/MATH.md §2, capacity modes); overflow re-routed or dropped.
 
-    Slots are admitted in priority order: all first choices (token order), then all second choices, ...;
-    an expert admits slots while it has room. A rejected slot moves to its token's next candidate (the
-    ``(k+1)``-th, ``(k+2)``-th, ... expert of ``s_i + b``, each candidate used once per token) and competes
-    for the room left, in token order, round after round; a slot that runs out of candidates is dropped.
-    No expert ever takes more than ``c`` slots, and ``c >= 1`` so that ``m k / n < 1`` still routes.
+    A token's candidates are its experts in the order of ``s_i + b``. Two limits, either or both:
+
+    * ``capacity_factor`` (count per call): expert j takes at most ``c = min(ceil(cf · m k / n), m)`` of the
+      ``m`` tokens passed in (``c >= 1``, so that ``m k / n < 1`` still routes). Slots are admitted in priority
+      order: all first choices (token order), then all second choices, ...; a rejected slot moves to its token's
+      next unused candidate and competes for the room left, in token order, round after round. A token's
+      routing then depends on every other token of the call, later positions of its own sequence included.
+    * ``min_score`` (per token, causal): expert j admits token i only if ``s_ij >= min_score_j``; a token's
+      slots go to its first k admitting candidates. The routing of a token is a function of its own scores,
+      ``b`` and ``min_score`` alone, so no other token (earlier or later, in its sequence or another) changes it.
+
+    A slot that runs out of candidates is dropped. A slot counts as re-routed when its expert is not among the
+    token's first k candidates of ``s_i + b``.
 
     Args:
         scores: ``[m, n]`` router scores (may require grad; the weights are differentiable).
         bias: ``[n]`` float32 selection bias.
         k: experts per token, ``1 <= k <= n``.
-        capacity_factor: cf > 0.
+        capacity_factor: None (no count limit) or cf > 0.
+        min_score: None (no threshold) or ``[n]`` float32 per-expert score threshold (0 admits every token).
 
     Returns:
         ``(expert_idx [m, k] int64, weights [m, k], rerouted [] int64, dropped [] int64)``: ``expert_idx`` is
@@ -251,33 +273,45 @@ def capacity_route(
         later candidate, ``dropped`` slots with no expert.
 
     Raises:
-        ValueError: bad shapes, k, or ``capacity_factor <= 0``.
+        ValueError: bad shapes or k, ``capacity_factor <= 0``, or neither limit given.
     """
     _check_scores_bias(scores, bias, k, scores.shape[1])
-    if not capacity_factor > 0:
+    if capacity_factor is None and min_score is None:
+        raise ValueError("capacity_route needs a capacity_factor, a min_score or both")
+    if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     m, n = scores.shape
+    if min_score is not None and min_score.shape != (n,):
+        raise ValueError(f"min_score must be [n] = [{n}], got shape {tuple(min_score.shape)}")
     dev = scores.device
-    cap = max(1, min(math.ceil(capacity_factor * m * k / n), m))
+    # without a count limit no expert can fill up: each token proposes an expert at most once
+    cap = m if capacity_factor is None else max(1, min(math.ceil(capacity_factor * m * k / n), m))
     with torch.no_grad():
-        ranked = (scores.detach() + bias.to(scores.dtype)).argsort(dim=-1, descending=True)  # [m, n]
+        key = scores.detach() + bias.to(scores.dtype)  # [m, n]
+        top = None
+        n_valid = torch.full((m,), n, dtype=torch.long, device=dev)  # admitting candidates per token
+        if min_score is not None:
+            top = key.topk(k, dim=-1).indices
+            admitted = scores.detach() >= min_score.to(scores.dtype)
+            key = key.masked_fill(~admitted, -math.inf)
+            n_valid = admitted.sum(dim=-1)
+        ranked = key.argsort(dim=-1, descending=True)  # [m, n], admitting candidates first
+        if top is None:
+            top = ranked[:, :k]
         final = torch.full((m, k), -1, dtype=torch.long, device=dev)
         room = torch.full((n,), cap, dtype=torch.long, device=dev)
         pointer = torch.full((m,), k, dtype=torch.long, device=dev)  # next unused candidate per token
         # proposals in priority order: slot-major, then token order
         tok = torch.arange(m, device=dev).repeat(k)  # [k m]
         slot = torch.arange(k, device=dev).repeat_interleave(m)
-        exp = ranked[:, :k].T.reshape(-1)
-        rerouted = torch.zeros((), dtype=torch.long, device=dev)
-        first = True
+        valid = slot < n_valid[tok]
+        tok, slot = tok[valid], slot[valid]
+        exp = ranked[tok, slot]
         while tok.numel():
             pos = _rank_within_groups(exp, n)
             ok = pos < room[exp]
             final[tok[ok], slot[ok]] = exp[ok]
             room -= expert_counts(exp[ok], n)
-            if not first:
-                rerouted += ok.sum()
-            first = False
             tok, slot = tok[~ok], slot[~ok]
             if tok.numel() == 0:
                 break
@@ -285,13 +319,95 @@ def capacity_route(
             tok, slot = tok[by_token], slot[by_token]
             cand = pointer[tok] + _rank_within_groups(tok, m)
             pointer.index_add_(0, tok, torch.ones_like(tok))
-            alive = cand < n
+            alive = cand < n_valid[tok]
             tok, slot, cand = tok[alive], slot[alive], cand[alive]
             exp = ranked[tok, cand]
-        dropped = (final < 0).sum()
-    chosen = scores.gather(1, final.clamp(min=0)) * (final >= 0)
+        kept = final >= 0
+        rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
+        dropped = (~kept).sum()
+    chosen = scores.gather(1, final.clamp(min=0)) * kept
     weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
     return final, weights, rerouted, dropped
+
+
+def chooser_score_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int) -> torch.Tensor:
+    """Histogram, per expert, of the scores of the tokens that choose it: ``s_ij`` for ``j ∈ top-k(s_i + b)``.
+
+    Bins are ``bins`` uniform cells over ``[0, 1)`` (``s ∈ (0, 1)``; a score of exactly 1 goes to the last bin).
+    Counts add up over micro-batches and ranks (one integer all-reduce gives the pooled histogram). The input of
+    :func:`capacity_threshold_from_histogram`.
+
+    Args:
+        scores: ``[m, n]`` router scores (detached is fine).
+        bias: ``[n]`` float32 bias that routed these tokens.
+        k: experts per token, ``1 <= k <= n``.
+        bins: bins per expert B.
+
+    Returns:
+        ``[n, bins]`` int64 counts; row j sums to the number of tokens whose top-k holds j.
+    """
+    _check_scores_bias(scores, bias, k, scores.shape[1])
+    n = scores.shape[1]
+    with torch.no_grad():
+        s = scores.detach().float()
+        idx = (s + bias.float()).topk(k, dim=-1).indices  # [m, k]
+        cell = (s.gather(1, idx) * bins).floor().clamp_(0, bins - 1).long() + idx * bins
+        return expert_counts(cell, n * bins).view(n, bins)
+
+
+def capacity_threshold_from_histogram(counts: torch.Tensor, capacity: float | torch.Tensor) -> torch.Tensor:
+    """The per-expert score threshold above which at most ``capacity`` of an expert's choosers lie.
+
+    With ``U_j(x)`` = the number of choosers of expert j with score ``>= x`` (from
+    :func:`chooser_score_histogram`, mass spread uniformly inside each bin, so ``U_j`` is exact at the bin edges
+    and linear between them), returns the ``x`` where ``U_j(x) = capacity``: the upper ``capacity / U_j(0)``
+    quantile of the choosers' scores. 0 (no limit) when the expert has at most ``capacity`` choosers. Error
+    below one bin width: ``U_j(x + 1/B) <= capacity < U_j(x - 1/B)`` in exact counts.
+
+    Args:
+        counts: ``[n, bins]`` int64 pooled counts over ``[0, 1)``.
+        capacity: tokens per expert c >= 0 (float or 0-d tensor, e.g. ``cf · m k / n`` for m pooled tokens).
+
+    Returns:
+        ``[n]`` float32 thresholds in ``[0, 1]``.
+    """
+    n, bins = counts.shape
+    c = counts.double()
+    above = c.flip(1).cumsum(1).flip(1)  # [n, B]: S_b = choosers in bins >= b
+    cap = torch.as_tensor(capacity, dtype=torch.float64, device=counts.device)
+    b = ((above > cap).sum(dim=1) - 1).clamp(min=0)  # the last bin with S_b > c (S is non-increasing)
+    s_b = above.gather(1, b[:, None])[:, 0]
+    inside = c.gather(1, b[:, None])[:, 0]
+    frac = ((s_b - cap) / inside.clamp(min=1)).clamp(0, 1)
+    threshold = (b.double() + frac) / bins
+    return torch.where(above[:, 0] > cap, threshold, torch.zeros_like(threshold)).float()
+
+
+def sliding_average(running: torch.Tensor, estimate: torch.Tensor, rate: float) -> torch.Tensor:
+    """One step of the running average across optimizer steps: ``running + rate · (estimate - running)``.
+
+    With the quantile bias as ``estimate`` this is the sliding-average quantile: after t steps the bias weighs
+    the estimate of step t - s by ``rate (1 - rate)^s``, an average over about ``1 / rate`` steps, so that it
+    follows the router's drift but not one batch's sampling noise. ``rate = 1`` is the one-step estimate.
+    Linear: the average of mean-centred biases stays mean-centred.
+
+    Args:
+        running: ``[n]`` float32 current running estimate (the bias that routed the step).
+        estimate: ``[n]`` this step's estimate (e.g. :func:`quantile_bias`).
+        rate: ``0 < rate <= 1``.
+
+    Returns:
+        ``[n]`` float32.
+
+    Raises:
+        ValueError: ``rate`` outside ``(0, 1]`` or mismatched shapes.
+    """
+    if not 0 < rate <= 1:
+        raise ValueError(f"rate must lie in (0, 1], got {rate}")
+    if running.shape != estimate.shape:
+        raise ValueError(f"estimate must have the shape {tuple(running.shape)}, got {tuple(estimate.shape)}")
+    running = running.detach().float()
+    return torch.lerp(running, estimate.detach().float(), rate)
 
 
 def required_bias_histogram(

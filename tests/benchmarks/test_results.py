@@ -48,6 +48,7 @@ def test_stored_runs_render_their_sections():
         kda_accuracy.TITLE: kda_accuracy.section(load("kda_accuracy_h200.json")),
         moe.TITLE: moe.section(load("moe_h200.json")),
         balance.TITLE: balance.section(load("balance_cpu.json")),
+        balance.COMPARE_TITLE: balance.compare_section(load("balance_compare_cpu.json")),
     }
     for title, body in stored.items():
         assert have[title] == body.strip(), title

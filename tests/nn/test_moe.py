@@ -10,6 +10,13 @@ from torch.utils.checkpoint import checkpoint
 from k3lit.nn import MoE, SwiGLU, update_balancers
 from k3lit.ops import grouped_mm, max_violation, quantile_bias, sign_bias_update
 from k3lit.ops.grouped_mm import native_grouped_mm_supported
+from k3lit.ops.routing import (
+    capacity_threshold_from_histogram,
+    chooser_score_histogram,
+    quantile_bias_from_histogram,
+    required_bias_histogram,
+    sliding_average,
+)
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:
@@ -178,6 +185,102 @@ def test_update_once_per_optimizer_step_from_all_micro_batches(seed):
     assert torch.equal(moe.expert_bias, bias1)
 
 
+@pytest.mark.parametrize("balancer", ["quantile", "quantile_hist"])
+def test_sliding_average_update_in_the_module(seed, balancer):
+    """Each update moves the bias by quantile_rate towards the step's estimate from every micro-batch."""
+    moe = MoE(16, 8, 2, 16, balancer=balancer, quantile_rate=0.25).train()
+    for step in range(3):
+        bias0 = moe.expert_bias.clone()
+        micro = [torch.randn(2, 9, 16) for _ in range(2)]
+        for x in micro:
+            moe(x)
+        with torch.no_grad():
+            scores = torch.cat([moe.router_scores(x.reshape(-1, 16)) for x in micro])
+        if balancer == "quantile":
+            estimate = quantile_bias(scores, bias0, 2)
+        else:
+            lo, hi = bias0.min() - 1, bias0.max() + 1
+            estimate = quantile_bias_from_histogram(required_bias_histogram(scores, bias0, 2, lo, hi, 1000), lo, hi, 2)
+        moe.update_balancer()
+        torch.testing.assert_close(moe.expert_bias, sliding_average(bias0, estimate, 0.25))
+        assert int(moe.balancer_step) == step + 1
+
+
+def _skewed_moe(capacity_mode: str, **kw) -> MoE:
+    """An MoE whose router prefers a few experts (overloading them without a limit), capacity factor 1."""
+    moe = MoE(16, 8, 2, 16, capacity_factor=1.0, capacity_mode=capacity_mode, **kw)
+    with torch.no_grad():
+        moe.router.weight[:, 0] = 3.0 * torch.randn(8)
+    return moe
+
+
+def _skewed_batch(b: int, t: int) -> torch.Tensor:
+    x = torch.randn(b, t, 16)
+    x[..., 0] = 1.0  # a constant feature: router column 0 carries the per-expert skew
+    return x
+
+
+def test_quantile_capacity_threshold_update(seed):
+    """The step's threshold is the score above which cf m k / n of the step's tokens chose each expert (routed
+    by the bias of that step), averaged in at quantile_rate; the next forward applies it."""
+    moe = _skewed_moe("quantile", balancer="none", quantile_rate=0.5).train()
+    moe.capacity_threshold.fill_(0.9)  # a running estimate from earlier steps
+    micro = [_skewed_batch(2, 50) for _ in range(2)]
+    for x in micro:
+        moe(x)
+    assert moe.pending_tokens == 200
+    with torch.no_grad():
+        scores = torch.cat([moe.router_scores(x.reshape(-1, 16)) for x in micro])
+    want = capacity_threshold_from_histogram(chooser_score_histogram(scores, torch.zeros(8), 2, 1000),
+                                             1.0 * 200 * 2 / 8)
+    assert (want > 0).any() and (want == 0).any()  # some experts overloaded, some not
+    moe.update_balancer()
+    torch.testing.assert_close(moe.capacity_threshold, sliding_average(torch.full((8,), 0.9), want, 0.5))
+    moe(micro[0])
+    stats = {k: float(v) for k, v in moe.last_stats.items()}
+    assert stats["rerouted"] > 0  # the limited experts turned tokens away
+
+
+@pytest.mark.parametrize("mode", ["quantile", "forward"])
+def test_capacity_mode_causality(seed, mode):
+    """quantile capacity: new later tokens leave every earlier token's output as it was (its routing depends on
+    its own scores and the module's state); the per-forward count limit does not have that property."""
+    moe = _skewed_moe(mode, quantile_rate=0.5).train()
+    for _ in range(4):  # a few steps give the quantile threshold its running estimate
+        moe(_skewed_batch(4, 64))
+        moe.update_balancer()
+    if mode == "quantile":
+        assert (moe.capacity_threshold > 0).any()
+    moe.eval()
+    x = _skewed_batch(2, 96)
+    later = x.clone()
+    later[:, 48:] = _skewed_batch(2, 48) * 3.0
+    with torch.no_grad():
+        y, y_later = moe(x), moe(later)
+    same = torch.allclose(y[:, :48], y_later[:, :48], atol=1e-6, rtol=1e-5)
+    assert same == (mode == "quantile")
+
+
+def test_balancer_state_round_trips_through_the_state_dict(seed):
+    """The running bias, the capacity threshold and the update count are buffers: a module loaded from the
+    state dict continues exactly as the original does."""
+    a = _skewed_moe("quantile", quantile_rate=0.3, sync_every=2).train()
+    for _ in range(3):
+        a(_skewed_batch(2, 40))
+        a.update_balancer()
+    state = a.state_dict()
+    assert {"expert_bias", "capacity_threshold", "balancer_step"} <= state.keys() and int(state["balancer_step"]) == 3
+    b = _skewed_moe("quantile", quantile_rate=0.3, sync_every=2).train()
+    b.load_state_dict(state)
+    for _ in range(2):
+        x = _skewed_batch(2, 40)
+        torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+        a.update_balancer()
+        b.update_balancer()
+    for name in ("expert_bias", "capacity_threshold", "balancer_step"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_aux_free_sums_loads_over_micro_batches(seed):
     moe = MoE(16, 8, 2, 16, balancer="aux_free", bias_update_rate=0.01).train()
     total = torch.zeros(8)
@@ -294,3 +397,48 @@ def test_update_pools_all_ranks(tmp_path):
     for o in outs:
         torch.testing.assert_close(o["bias"], want)
         torch.testing.assert_close(o["free"], sign_bias_update(torch.zeros(8), total, 0.01))
+
+
+def _local_sync_worker(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # same weights on every rank
+    moe = MoE(16, 8, 2, 16, quantile_rate=0.5, sync_every=2).train()
+    torch.manual_seed(100 + rank)
+    xs, biases = [torch.randn(1, 20 + 7 * rank, 16) for _ in range(2)], []
+    for x in xs:  # one micro-batch per step
+        moe(x)
+        moe.update_balancer()
+        biases.append(moe.expert_bias.clone())
+    torch.save({"xs": xs, "biases": biases}, f"{path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_local_estimates_sync_every_n_steps(tmp_path):
+    """sync_every=2 on two gloo ranks: step 1 moves each rank's bias by its own tokens' estimate, step 2 ends
+    with the mean of the ranks' running estimates."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_local_sync_worker, args=(2, port, str(tmp_path / "out")), nprocs=2)
+    outs = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
+    torch.manual_seed(0)
+    moe = MoE(16, 8, 2, 16)
+    running = []
+    for o in outs:
+        bias = torch.zeros(8)
+        for step, x in enumerate(o["xs"]):
+            with torch.no_grad():
+                scores = moe.router_scores(x.reshape(-1, 16))
+            bias = sliding_average(bias, quantile_bias(scores, bias, 2), 0.5)
+            if step == 0:
+                torch.testing.assert_close(o["biases"][0], bias)  # local: no communication
+        running.append(bias)
+    assert not torch.allclose(outs[0]["biases"][0], outs[1]["biases"][0])
+    for o in outs:
+        torch.testing.assert_close(o["biases"][1], (running[0] + running[1]) / 2)

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from k3lit.ops import aux_loss, expert_load, max_violation, quantile_bias, route, sign_bias_update
-from k3lit.ops.routing import expert_counts
+from k3lit.ops.routing import (
+    capacity_route,
+    capacity_threshold_from_histogram,
+    chooser_score_histogram,
+    expert_counts,
+    quantile_bias_from_histogram,
+    required_bias_histogram,
+    sliding_average,
+)
 
 
 def _scores(m: int, n: int, skew: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,3 +160,133 @@ def test_expert_counts_match_numpy_bincount(seed):
     got = expert_counts(idx, 40)
     assert got.dtype == torch.int64 and got.tolist() == want.tolist()
     assert expert_counts(idx[:0], 5).tolist() == [0] * 5
+
+
+def _hazen_bias64(s: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """float64 reference of the centred one-step quantile bias (numpy's Hazen quantile)."""
+    n = s.shape[1]
+    alpha = -np.sort(-(s + b), axis=1)[:, k]
+    ref = -np.quantile(s - alpha[:, None], 1 - k / n, axis=0, method="hazen")
+    return ref - ref.mean()
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.3, 0.05])
+def test_sliding_average_quantile_follows_the_float64_recursion(seed, rate):
+    """b_{t+1} = b_t + rate (Q_t(b_t) - b_t) over a run of fresh batches, against the same recursion in float64."""
+    m, n, k = 4096, 16, 2
+    skew = torch.randn(n)
+    bias, ref = torch.zeros(n), np.zeros(n)
+    for _ in range(8):
+        scores = _scores(m, n, skew)
+        bias = sliding_average(bias, quantile_bias(scores, bias, k), rate)
+        ref = ref + rate * (_hazen_bias64(scores.double().numpy(), ref, k) - ref)
+        assert bias.dtype == torch.float32
+        np.testing.assert_allclose(bias.numpy(), ref, atol=1e-5)
+    assert abs(float(bias.sum())) < 1e-5  # the average of centred biases stays centred
+
+
+def test_sliding_average_rate_one_is_the_estimate_and_rate_is_checked():
+    running, estimate = torch.randn(8), torch.randn(8)
+    assert torch.equal(sliding_average(running, estimate, 1.0), estimate)
+    torch.testing.assert_close(sliding_average(running, estimate, 0.25), 0.75 * running + 0.25 * estimate)
+    for rate in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="rate must lie"):
+            sliding_average(running, estimate, rate)
+    with pytest.raises(ValueError, match="estimate must have"):
+        sliding_average(running, torch.zeros(9), 0.5)
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.1])
+def test_sliding_average_of_the_histogram_estimate_within_a_bin(seed, rate):
+    """The histogram estimator inside the running average: within rate x (one bin, plus one for the centring)."""
+    m, n, k, bins = 8192, 16, 2, 1000
+    bias = torch.randn(n) * 0.2
+    bias -= bias.mean()
+    scores = _scores(m, n, torch.randn(n))
+    lo, hi = bias.min() - 1, bias.max() + 1
+    est = quantile_bias_from_histogram(required_bias_histogram(scores, bias, k, lo, hi, bins), lo, hi, k)
+    got = sliding_average(bias, est, rate)
+    b64 = bias.double().numpy()
+    ref = b64 + rate * (_hazen_bias64(scores.double().numpy(), b64, k) - b64)
+    width = float(hi - lo) / bins
+    assert np.abs(got.double().numpy() - ref).max() <= rate * 2 * width + 1e-6
+
+
+def _choosers64(scores: torch.Tensor, bias: torch.Tensor, k: int) -> list[np.ndarray]:
+    s, b = scores.double().numpy(), bias.double().numpy()
+    top = np.argsort(-(s + b), axis=1, kind="stable")[:, :k]
+    return [s[(top == j).any(axis=1), j] for j in range(s.shape[1])]
+
+
+@pytest.mark.parametrize("cf", [0.5, 1.0, 1.25])
+def test_capacity_threshold_brackets_the_exact_count(seed, cf):
+    """At most ``c`` choosers of each expert score above ``threshold + 1/B``, more than ``c`` above
+    ``threshold - 1/B`` (float64 counts); 0 for an expert with at most ``c`` choosers."""
+    m, n, k, bins = 5000, 12, 3, 1000
+    scores = _scores(m, n, torch.randn(n))
+    bias = torch.randn(n) * 0.1
+    counts = chooser_score_histogram(scores, bias, k, bins)
+    assert counts.dtype == torch.int64 and counts.shape == (n, bins)
+    choosers = _choosers64(scores, bias, k)
+    assert counts.sum(1).tolist() == [len(c) for c in choosers]
+    cap = cf * m * k / n
+    theta = capacity_threshold_from_histogram(counts, cap)
+    assert theta.dtype == torch.float32 and theta.shape == (n,)
+    limited = 0
+    for j, c in enumerate(choosers):
+        t = float(theta[j])
+        if len(c) <= cap:
+            assert t == 0.0, (j, len(c), cap)
+            continue
+        limited += 1
+        assert (c >= t + 1 / bins).sum() <= cap < (c >= t - 1 / bins).sum(), (j, t)
+    assert limited > 0  # the skew overloads some experts at every cf tested
+
+
+def _threshold_route_loop(scores: torch.Tensor, bias: torch.Tensor, k: int, theta: torch.Tensor):
+    """Per-token reference: the first k candidates of s + b whose score reaches the expert's threshold."""
+    s, b, th = scores.double().numpy(), bias.double().numpy(), theta.double().numpy()
+    m = s.shape[0]
+    idx = np.full((m, k), -1)
+    rerouted = dropped = 0
+    for i in range(m):
+        order = np.argsort(-(s[i] + b), kind="stable")
+        ok = [j for j in order if s[i, j] >= th[j]][:k]
+        idx[i, : len(ok)] = ok
+        rerouted += sum(j not in order[:k] for j in ok)
+        dropped += k - len(ok)
+    return idx, rerouted, dropped
+
+
+def test_capacity_route_with_min_score_is_per_token_and_causal(seed):
+    m, n, k = 600, 8, 2
+    scores = _scores(m, n, torch.randn(n)).requires_grad_(True)
+    bias = torch.randn(n) * 0.1
+    theta = 0.4 + 0.5 * torch.rand(n)  # high enough that some tokens find fewer than k admitting experts
+    theta[0] = 0.0  # expert 0 admits everyone
+    idx, w, rerouted, dropped = capacity_route(scores, bias, k, min_score=theta)
+    ref, ref_rerouted, ref_dropped = _threshold_route_loop(scores.detach(), bias, k, theta)
+    np.testing.assert_array_equal(np.sort(idx.numpy(), axis=1), np.sort(ref, axis=1))
+    assert (int(rerouted), int(dropped)) == (ref_rerouted, ref_dropped) and ref_rerouted > 0 and ref_dropped > 0
+    kept = idx >= 0
+    s_sel = scores.detach().gather(1, idx.clamp(min=0)) * kept
+    torch.testing.assert_close(w.detach(), s_sel / s_sel.sum(-1, keepdim=True).clamp_min(1e-30))
+    (w * torch.randn(m, k)).sum().backward()
+    assert scores.grad.abs().sum() > 0
+    # causality: new scores for the later tokens leave the earlier tokens' routing as it was
+    cut = m // 2
+    later = scores.detach().clone()
+    later[cut:] = _scores(m - cut, n, 3.0 * torch.randn(n))
+    idx2 = capacity_route(later, bias, k, min_score=theta)[0]
+    assert torch.equal(idx2[:cut], idx[:cut])
+    # the count limit per call is not causal: the same change moves some earlier tokens
+    fixed = capacity_route(scores.detach(), bias, k, 1.0)[0]
+    fixed2 = capacity_route(later, bias, k, 1.0)[0]
+    assert not torch.equal(fixed2[:cut], fixed[:cut])
+
+
+def test_capacity_route_needs_a_limit():
+    with pytest.raises(ValueError, match="needs a capacity_factor"):
+        capacity_route(torch.rand(5, 4), torch.zeros(4), 2)
+    with pytest.raises(ValueError, match="min_score must be"):
+        capacity_route(torch.rand(5, 4), torch.zeros(4), 2, min_score=torch.zeros(3))

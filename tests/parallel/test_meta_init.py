@@ -31,9 +31,9 @@ def _meta_sharded(shape: tuple[int, ...], names: tuple[str, ...]) -> K3LM:
     for name, p in model.named_parameters():  # sharded while still on meta: nothing allocated yet
         assert isinstance(p, DTensor) and p.to_local().is_meta, name
     model.to_empty(device="cpu")
-    with torch.no_grad():  # whatever init_sharded leaves alone stays NaN
+    with torch.no_grad():  # whatever init_sharded leaves alone stays NaN (-1 for integer counters)
         for t in [*model.parameters(), *model.buffers()]:
-            (t.to_local() if isinstance(t, DTensor) else t).fill_(float("nan"))
+            (t.to_local() if isinstance(t, DTensor) else t).fill_(float("nan") if t.is_floating_point() else -1)
     return init_sharded(model, mesh)
 
 
