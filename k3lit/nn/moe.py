@@ -496,6 +496,13 @@ class MoE(nn.Module):
         else:  # something cast the buffer behind our back (e.g. an FSDP buffer_dtype): take it back to float32
             self._buffers["expert_bias"] = new_bias.float().to(self.expert_bias.device)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        """A state dict written before the running-quantile buffers existed loads with their start values (no
+        threshold, step 0): the same state a fresh layer starts from."""
+        for name in ("capacity_threshold", "balancer_step"):
+            state_dict.setdefault(prefix + name, torch.zeros_like(getattr(self, name)))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001
         """Keep ``expert_bias`` and ``capacity_threshold`` float32 through ``.to(dtype)``, ``.half()`` etc.,
         following only the device.

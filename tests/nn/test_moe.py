@@ -442,3 +442,15 @@ def test_local_estimates_sync_every_n_steps(tmp_path):
     assert not torch.allclose(outs[0]["biases"][0], outs[1]["biases"][0])
     for o in outs:
         torch.testing.assert_close(o["biases"][1], (running[0] + running[1]) / 2)
+
+
+def test_state_dict_without_running_quantile_buffers_loads():
+    """A checkpoint from before ``capacity_threshold`` and ``balancer_step`` existed loads strictly, with the
+    buffers at a fresh layer's values."""
+    moe = MoE(8, 4, 2, 8)
+    state = {k: v for k, v in moe.state_dict().items() if k not in ("capacity_threshold", "balancer_step")}
+    other = MoE(8, 4, 2, 8)
+    other.balancer_step.fill_(7)
+    other.load_state_dict(state)
+    assert other.balancer_step.item() == 0 and torch.equal(other.capacity_threshold, torch.zeros(4))
+    torch.testing.assert_close(other.router.weight, moe.router.weight, rtol=0, atol=0)
