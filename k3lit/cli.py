@@ -106,7 +106,8 @@ class K3CLI(LightningCLI):
         parser.add_class_arguments(ModelConfig, "model")
         parser.add_class_arguments(OptimConfig, "optim")
         parser.add_lightning_class_args(K3DataModule, "data")
-        parser.add_argument("--compile", type=bool, default=False, help="torch.compile the model (each sublayer under FSDP2)")
+        parser.add_argument("--compile", type=bool, default=False,
+                            help="torch.compile the model (each sublayer under FSDP2)")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")

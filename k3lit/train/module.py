@@ -67,9 +67,10 @@ class K3LitModule(L.LightningModule):
     @override
     def configure_model(self) -> None:
         """``compile=True``: ``torch.compile`` in place (state-dict names unchanged): the whole model, or every
-        sublayer when a device mesh exists (before FSDP2 wraps them). Then, under a model-parallel strategy (a device mesh exists), shard the model with FSDP2. A model built
-        with ``empty_init=True`` is then materialised: each rank allocates its shards (the whole model without
-        a mesh) on the strategy's root device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
+        sublayer when a device mesh exists (before FSDP2 wraps them). Then, under a model-parallel strategy (a
+        device mesh exists), shard the model with FSDP2. A model built with ``empty_init=True`` is then
+        materialised: each rank allocates its shards (the whole model without a mesh) on the strategy's root
+        device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
         if self.compile_model and not getattr(self, "_compiled", False):
             if self.device_mesh is None:
                 self.model.compile()
