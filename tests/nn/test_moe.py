@@ -11,10 +11,12 @@ from k3lit.nn import MoE, SwiGLU, update_balancers
 from k3lit.ops import grouped_mm, max_violation, quantile_bias, sign_bias_update
 from k3lit.ops.grouped_mm import native_grouped_mm_supported
 from k3lit.ops.routing import (
+    capacity_route,
     capacity_threshold_from_histogram,
     chooser_score_histogram,
     quantile_bias_from_histogram,
     required_bias_histogram,
+    route,
     sliding_average,
 )
 
@@ -236,9 +238,15 @@ def test_quantile_capacity_threshold_update(seed):
     assert (want > 0).any() and (want == 0).any()  # some experts overloaded, some not
     moe.update_balancer()
     torch.testing.assert_close(moe.capacity_threshold, sliding_average(torch.full((8,), 0.9), want, 0.5))
-    moe(micro[0])
+    moe(micro[0])  # the next forward routes by the new threshold: as capacity_route with it, and unlike route
     stats = {k: float(v) for k, v in moe.last_stats.items()}
-    assert stats["rerouted"] > 0  # the limited experts turned tokens away
+    with torch.no_grad():
+        s0 = moe.router_scores(micro[0].reshape(-1, 16))
+    _, _, rerouted, dropped = capacity_route(s0, moe.expert_bias, 2, min_score=moe.capacity_threshold)
+    assert (stats["rerouted"], stats["dropped"]) == (float(rerouted), float(dropped))
+    top = route(s0, moe.expert_bias, 2)[0]
+    turned_away = (s0.gather(1, top) < moe.capacity_threshold[top]).any()
+    assert bool(turned_away) == (stats["rerouted"] + stats["dropped"] > 0)
 
 
 @pytest.mark.parametrize("mode", ["quantile", "forward"])
