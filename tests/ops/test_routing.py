@@ -260,10 +260,16 @@ def _threshold_route_loop(scores: torch.Tensor, bias: torch.Tensor, k: int, thet
 
 def test_capacity_route_with_min_score_is_per_token_and_causal(seed):
     m, n, k = 600, 8, 2
-    scores = _scores(m, n, torch.randn(n)).requires_grad_(True)
-    bias = torch.randn(n) * 0.1
+    scores = _scores(m, n, torch.randn(n))
+    bias = torch.randn(n) * 0.01
     theta = 0.4 + 0.5 * torch.rand(n)  # high enough that some tokens find fewer than k admitting experts
     theta[0] = 0.0  # expert 0 admits everyone
+    # whatever the draw, one token with a re-routed slot and one with a dropped slot: the first admits only
+    # expert 0, below its first two candidates (experts 1 and 2, rejected); the second admits only expert 0
+    scores[-2] = 0.05
+    scores[-2, 1:3] = 0.35
+    scores[-1] = 0.05
+    scores.requires_grad_(True)
     idx, w, rerouted, dropped = capacity_route(scores, bias, k, min_score=theta)
     ref, ref_rerouted, ref_dropped = _threshold_route_loop(scores.detach(), bias, k, theta)
     np.testing.assert_array_equal(np.sort(idx.numpy(), axis=1), np.sort(ref, axis=1))
