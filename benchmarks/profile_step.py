@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnres import SIZES  # noqa: E402
-from throughput import build_model, make_step, recipe_config  # noqa: E402
+from throughput import COMPILE, build_model, make_step, recipe_config  # noqa: E402
 
 from k3lit.model import ModelConfig  # noqa: E402
 
@@ -105,10 +105,13 @@ def _table(events: list, key: str, steps: int, rows: int, device_col: bool) -> s
     return "\n".join(lines)
 
 
-def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int, trace: str | None) -> dict:
-    """Time, count and profile ``steps`` optimizer steps of ``cfg``; returns the summary and the text tables."""
+def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int, trace: str | None,
+                   compile_: str = "none") -> dict:
+    """Time, count and profile ``steps`` optimizer steps of ``cfg`` (``compile_`` as ``benchmarks/throughput.py``
+    takes it; compiled steps are not op-counted: a dispatch mode would change what dynamo traces); returns the
+    summary and the text tables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_model(cfg, device, False)
+    model = build_model(cfg, device, compile_)
     step = make_step(model, device)
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     for _ in range(3):  # compile kernels, prime the allocator
@@ -126,8 +129,9 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         times.append(time.perf_counter() - t0)
     act_mib = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
     counter = OpCounter()
-    with counter:
-        step(x)
+    if compile_ == "none":
+        with counter:
+            step(x)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -143,13 +147,14 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
     n_sub = len(model.sublayers)
     summary = {
         "config": {k: getattr(cfg, k) for k in ("residual", "activation_checkpointing", "attnres_block_size")},
+        "compile": compile_,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "wall_ms": 1e3 * statistics.median(times),
         "act_mib": act_mib,
         "wall_profiled_ms": 1e3 * prof_wall,
         "device_ms": sum(e.self_device_time_total for e in kernels) / steps / 1e3 if kernels else None,
         "host_in_ops_ms": top_level_us / steps / 1e3,
-        "ops": sum(counter.counts.values()),
+        "ops": sum(counter.counts.values()) if compile_ == "none" else None,
         "views": counter.views,
         "kernels": sum(e.count for e in kernels) / steps if kernels else None,
         "launches": sum(e.count for e in cpu_ops if LAUNCH in e.key) / steps,
@@ -165,8 +170,9 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         full.append(f"by self device time:\n{_table(averages, 'self_device_time_total', steps, 60, True)}")
         short.append(f"top self device (ms and calls per step):\n"
                      f"{_table(kernels, 'self_device_time_total', steps, rows, True)}")
-    full.append("dispatched operators per step:\n" + "\n".join(f"  {n:<40} {c:>7}" for n, c in
-                                                                counter.counts.most_common()))
+    if compile_ == "none":
+        full.append("dispatched operators per step:\n" + "\n".join(f"  {n:<40} {c:>7}" for n, c in
+                                                                    counter.counts.most_common()))
     del model, step
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -178,17 +184,22 @@ def headline(s: dict, batch: int, seq: int) -> str:
     c, per = s["config"], s["sublayers"]
     dev = "" if s["device_ms"] is None else f" · device kernels {s['device_ms']:.1f} ms ({s['kernels']:.0f} kernels)"
     mem = "" if s["act_mib"] is None else f" · activation peak {s['act_mib']:.0f} MiB"
+    compiled = "" if s.get("compile", "none") == "none" else f" · compiled: {s['compile']}"
+    ops = "" if s["ops"] is None else f"{s['ops']} dispatched ops ({s['views']} views), "
+    per_ops = "" if s["ops"] is None else f"{s['ops'] / per:.0f} ops, "
     lines = [
         f"== {c['residual']} / {c['activation_checkpointing']} (S={c['attnres_block_size']}) · "
-        f"{s['params_m']:.0f}M params · batch {batch} x {seq}{mem}",
+        f"{s['params_m']:.0f}M params · batch {batch} x {seq}{mem}{compiled}",
         f"wall {s['wall_ms']:.1f} ms/step{dev}; profiled: wall {s['wall_profiled_ms']:.1f} ms, inside torch ops "
         f"and CUDA calls {s['host_in_ops_ms']:.1f} ms",
-        f"per step: {s['ops']} dispatched ops ({s['views']} views), {s['launches']:.0f} kernel launches; per "
-        f"sublayer ({per}): {s['ops'] / per:.0f} ops, {s['launches'] / per:.0f} launches",
+        f"per step: {ops}{s['launches']:.0f} kernel launches; per sublayer ({per}): {per_ops}"
+        f"{s['launches'] / per:.0f} launches",
     ]
     if s["api_calls"]:
         lines.append("CUDA calls per step: " + ", ".join(f"{k} {v:.1f}" for k, v in s["api_calls"].items()))
-    lines.append("most dispatched: " + ", ".join(f"{n.removeprefix('aten.')} {k}" for n, k in s["top_dispatched"][:8]))
+    if s["ops"] is not None:
+        lines.append("most dispatched: " + ", ".join(f"{n.removeprefix('aten.')} {k}"
+                                                     for n, k in s["top_dispatched"][:8]))
     return "\n".join(lines)
 
 
@@ -225,6 +236,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--out", help="folder for the full tables and summary.json")
     p.add_argument("--trace", help="also write a Chrome trace here (the last configuration's)")
+    p.add_argument("--compile", choices=COMPILE, default="none", help="as benchmarks/throughput.py's --compile")
     a = p.parse_args()
     if a.size:
         spec = SIZES[a.size]
@@ -239,7 +251,7 @@ def main() -> None:
     summaries = []
     for over in grid(a.grid):
         cfg = dataclasses.replace(base, **over)
-        r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace)
+        r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace, a.compile)
         print(headline(r["summary"], batch, seq), r["short"], "", sep="\n", flush=True)
         if out:
             name = "_".join(f"{k}-{v}" for k, v in over.items()) or "config"

@@ -106,8 +106,9 @@ class K3CLI(LightningCLI):
         parser.add_class_arguments(ModelConfig, "model")
         parser.add_class_arguments(OptimConfig, "optim")
         parser.add_lightning_class_args(K3DataModule, "data")
-        parser.add_argument("--compile", type=bool, default=False,
-                            help="torch.compile the model (each sublayer under FSDP2)")
+        parser.add_argument("--compile", type=bool | None, default=None,
+                            help="torch.compile the whole model (each sublayer under FSDP2); default: on for one "
+                                 "CUDA device without a sharding strategy, off otherwise")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")
@@ -142,7 +143,7 @@ class K3CLI(LightningCLI):
             )
         # A sharding strategy gets a meta-device model: each rank materialises only its shards (configure_model)
         self.model = K3LitModule(model_cfg, self._value(self.config_init, "optim"),
-                                 compile=bool(self._value(self.config_init, "compile", default=False)),
+                                 compile=self._value(self.config_init, "compile"),
                                  empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy))
 
     def _parse_ckpt_path(self) -> None:

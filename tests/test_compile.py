@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import update_balancers
+from k3lit.train.module import K3LitModule
 
 
 def _steps(model: K3LM, x: torch.Tensor, n: int) -> list[float]:
@@ -41,3 +43,16 @@ def test_whole_model_compiles_without_graph_breaks_and_balances():
         assert moe.expert_bias.abs().sum() > 0
         assert moe.last_load.sum().item() == x.shape[0] * (x.shape[1] - 1) * cfg.top_k
         assert moe.pending_tokens == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")])])
+@pytest.mark.parametrize("asked", [None, True, False])
+def test_compile_default_is_on_for_one_cuda_device_only(device, asked):
+    module = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16), compile=asked)
+    module.to(device)
+    expected = {None: device == "cuda", True: True, False: False}[asked]
+    assert module.compiles() is expected
+    module.configure_model()  # compiles in place: every parameter keeps its state-dict name
+    assert all(not n.startswith("_orig_mod") for n in module.state_dict())
+    assert (module.model._compiled_call_impl is not None) is expected

@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
@@ -42,14 +43,19 @@ class K3LitModule(L.LightningModule):
         optim: optimizer and schedule (defaults of :class:`OptimConfig` when None).
         compile: ``torch.compile`` in :meth:`configure_model`: the whole model as one graph on a single device
             (KDA, the short convolution and AttnRes are custom ops inside it), every sublayer under a sharding
-            strategy (FSDP2 hooks sit between sublayers, as in torchtitan).
+            strategy (FSDP2 hooks sit between sublayers, as in torchtitan). None (default): on for one CUDA device
+            without a sharding strategy, where it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
     """
 
     def __init__(
-        self, model: ModelConfig, optim: OptimConfig | None = None, compile: bool = False, empty_init: bool = False
+        self,
+        model: ModelConfig,
+        optim: OptimConfig | None = None,
+        compile: bool | None = None,
+        empty_init: bool = False,
     ) -> None:
         super().__init__()
         self.compile_model = compile
@@ -64,20 +70,33 @@ class K3LitModule(L.LightningModule):
             self.train_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
             self.val_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
 
+    def compiles(self) -> bool:
+        """Whether :meth:`configure_model` compiles: ``compile`` as given, or for None whether the model trains on
+        one CUDA device without a device mesh (the trainer's root device: the model is still on the CPU then)."""
+        if self.compile_model is not None:
+            return bool(self.compile_model)
+        try:
+            device = self.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            device = self.device
+        return device.type == "cuda" and self.device_mesh is None
+
     @override
     def configure_model(self) -> None:
-        """``compile=True``: ``torch.compile`` in place (state-dict names unchanged): the whole model, or every
+        """When :meth:`compiles`: ``torch.compile`` in place (state-dict names unchanged): the whole model, or every
         sublayer when a device mesh exists (before FSDP2 wraps them). Then, under a model-parallel strategy (a
         device mesh exists), shard the model with FSDP2. A model built with ``empty_init=True`` is then
         materialised: each rank allocates its shards (the whole model without a mesh) on the strategy's root
         device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
-        if self.compile_model and not getattr(self, "_compiled", False):
+        if self.compiles() and not getattr(self, "_compiled", False):
             if self.device_mesh is None:
                 self.model.compile()
             else:
                 for sub in self.model.sublayers:
                     sub.compile()
             self._compiled = True
+            rank_zero_info("k3lit: torch.compile on the " + ("whole model" if self.device_mesh is None else
+                           "sublayers") + ": the first steps compile it (--compile=false: eager)")
         if self.device_mesh is not None and not getattr(self, "_parallelized", False):
             from k3lit.parallel import parallelize
 
