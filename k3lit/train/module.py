@@ -123,7 +123,7 @@ class K3LitModule(L.LightningModule):
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss)  # not prog_bar: Lightning turns those into numbers after every batch
         aux = self.model.aux_loss()
         if aux is not None:
             self.log("train/aux_loss", aux)
@@ -148,8 +148,8 @@ class K3LitModule(L.LightningModule):
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Balancer updates, then the step's MoE statistics, computed and logged on the device without a host
-        sync: Lightning turns logged values into numbers when it writes them (every ``log_every_n_steps``) and,
-        for the progress bar's (``train/max_vio/layer0``), after every batch."""
+        sync: Lightning turns logged values into numbers when it writes them (every ``log_every_n_steps``); the
+        progress displays read theirs on those steps too (:func:`k3lit.train.progress.shown_metrics`)."""
         moes = self.model.moe_layers()
         for moe in moes:
             moe.update_balancer()
@@ -159,7 +159,7 @@ class K3LitModule(L.LightningModule):
             self.train_load.reset()
             self.last_expert_fraction = stats["fraction"].detach()  # [L_moe, n] on the device, for ExpertLoadPlots
             for i in range(len(stats["max_vio"])):
-                self.log(f"train/max_vio/layer{i}", stats["max_vio"][i], prog_bar=(i == 0))
+                self.log(f"train/max_vio/layer{i}", stats["max_vio"][i])
                 self.log(f"train/router_entropy/layer{i}", stats["entropy"][i])
                 if self.model_config.capacity_factor is not None:
                     self.log(f"train/drop_rate/layer{i}", stats["drop_rate"][i])

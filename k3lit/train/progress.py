@@ -125,6 +125,21 @@ def run_horizon(trainer: L.Trainer, seconds_per_step: float | None,
     return Horizon(step, cap, steps_time, limit)
 
 
+TRAIN_SHOWN = ("train/loss", "train/max_vio/layer0")
+
+
+def shown_metrics(trainer: L.Trainer, prefix: str) -> dict[str, float]:
+    """The metrics a progress display shows, by name. ``"train/"``: :data:`TRAIN_SHOWN` from
+    ``trainer.callback_metrics``, where they stay device tensors (logged without ``prog_bar``, which Lightning
+    would turn into numbers after every batch, a host sync each): reading them waits for the device, so the
+    displays call this on logging steps only. ``"val/"``: Lightning's progress-bar metrics of that prefix, numbers
+    once per validation."""
+    if prefix == "train/":
+        metrics = trainer.callback_metrics
+        return {k: float(metrics[k]) for k in TRAIN_SHOWN if k in metrics}
+    return {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
+
+
 def _throughput(trainer: L.Trainer) -> float | None:
     """Tokens/s per device that the K3ThroughputMonitor logged last (it logs straight to the loggers, so its values
     never reach ``trainer.callback_metrics``)."""
@@ -167,8 +182,7 @@ class ProgressLines(ProgressBar):
             horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
         else:  # `k3lit validate`: no run to the end of
             horizon = Horizon(trainer.global_step, None, None, None)
-        metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith(prefix)}
-        parts = [horizon.steps_text()] + [f"{k} {v:.4g}" for k, v in sorted(metrics.items())]
+        parts = [horizon.steps_text()] + [f"{k} {v:.4g}" for k, v in sorted(shown_metrics(trainer, prefix).items())]
         if prefix == "train/":
             if (tps := _throughput(trainer)) is not None:
                 parts.append(f"{tps:,.0f} tok/s per device")
@@ -206,8 +220,8 @@ def _short(name: str) -> str:
 
 class StepProgressBar(ProgressBar):
     """A live rich bar of optimizer steps against the run's end (:func:`run_horizon`), with the time left, the
-    progress-bar metrics (``train/`` prefix dropped: ``loss``, ``max_vio/layer0``, ``val/bpb``...) and tok/s per
-    device; a second bar counts validation batches while validation runs. Rank zero only.
+    :func:`shown_metrics` (``train/`` prefix dropped: ``loss``, ``max_vio/layer0``, as of the latest logging step;
+    ``val/bpb``...) and tok/s per device; a second bar counts validation batches while validation runs. Rank zero only.
 
     Args:
         console: where to draw; default a rich ``Console()`` on stdout.
@@ -225,6 +239,7 @@ class StepProgressBar(ProgressBar):
         self._val: TaskID | None = None
         self._handlers: list[tuple[logging.StreamHandler, Any]] = []
         self._last_step = -1
+        self._train_shown: dict[str, float] = {}
 
     def disable(self) -> None:
         self._enabled = False
@@ -267,7 +282,8 @@ class StepProgressBar(ProgressBar):
         parts = [horizon.steps_text()]
         if (eta := horizon.eta_text()) is not None:
             parts.append(eta)
-        parts += [f"{_short(k)} {v:.4g}" for k, v in sorted(trainer.progress_bar_metrics.items())]
+        shown = {**self._train_shown, **shown_metrics(trainer, "val/")}
+        parts += [f"{_short(k)} {v:.4g}" for k, v in sorted(shown.items())]
         if (tps := _throughput(trainer)) is not None:
             parts.append(f"{tps:,.0f} tok/s")
         return " · ".join(parts)
@@ -291,6 +307,8 @@ class StepProgressBar(ProgressBar):
         if step != self._last_step:
             self._last_step = step
             self.pace.update(step)
+            if step % trainer.log_every_n_steps == 0:  # values shown from logging step to logging step
+                self._train_shown = shown_metrics(trainer, "train/")
             self._refresh_train(trainer)
 
     def _eval_start(self, trainer: L.Trainer, name: str) -> None:
@@ -332,6 +350,7 @@ class StepProgressBar(ProgressBar):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_shown = shown_metrics(trainer, "train/")
         self._refresh_train(trainer)
         self._stop()
 

@@ -101,3 +101,69 @@ def test_training_steps_issue_no_host_sync_from_k3lit(tmp_path, host_syncs, bala
     # the statistics are still there, on the device, and logged
     assert module.last_expert_fraction.shape == (2, 4)
     assert "train/max_vio/layer1" in trainer.logged_metrics
+
+
+class SyncsByStep(TorchDispatchMode):
+    """Every host sync, whoever issues it (k3lit, Lightning, the progress displays), by the optimizer steps done
+    when it happened; ``torch.optim`` on CPU reads its step counters (a fused CUDA optimizer does not) and is left
+    out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step: int | None = None
+        self.steps: collections.Counter[int] = collections.Counter()
+
+    def record(self) -> None:
+        optim = os.path.dirname(torch.optim.__file__) + os.sep
+        if self.step is not None and not any(f.filename.startswith(optim) for f in traceback.extract_stack()):
+            self.steps[self.step] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.__name__.split(".")[0] in SYNC_OPS:
+            self.record()
+        return func(*args, **(kwargs or {}))
+
+
+class StepOf(Callback):
+    def __init__(self, counter: SyncsByStep) -> None:
+        self.counter = counter
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        self.counter.step = trainer.global_step if trainer.global_step >= 1 else None
+
+    def on_train_end(self, trainer: L.Trainer, *args) -> None:  # noqa: ANN002
+        self.counter.step = None
+
+
+@pytest.mark.parametrize("display", ["lines", "bar"])
+def test_only_logging_steps_sync_with_the_progress_display(tmp_path, monkeypatch, display):
+    import io
+
+    from rich.console import Console
+
+    from k3lit.train.progress import ProgressLines, StepProgressBar
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=3, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=32,
+                      n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1, first_dense_layers=1,
+                      attnres_block_size=2)
+    counter = SyncsByStep()
+    for name in ("cpu", "tolist", "numpy", "item", "__float__"):
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _method=method, **kwargs):  # noqa: ANN001, ANN202
+            counter.record()
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    shown = ProgressLines() if display == "lines" else StepProgressBar(Console(file=io.StringIO(), width=200))
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=9, log_every_n_steps=4,
+                        gradient_clip_val=1.0, default_root_dir=tmp_path, enable_checkpointing=False,
+                        callbacks=[K3ThroughputMonitor(window_size=2), shown, StepOf(counter)],
+                        enable_model_summary=False)
+    data = torch.randint(0, cfg.vocab_size, (18, 17))
+    with counter:
+        trainer.fit(K3LitModule(cfg), torch.utils.data.DataLoader(data, batch_size=2))
+    assert trainer.global_step == 9
+    # Lightning logs (and the displays read) after the optimizer steps 4 and 8 and the last, 9: 3, 7 and 8 steps
+    # were done at the start of those batches
+    assert {3, 7} <= set(counter.steps) <= {3, 7, 8}, dict(counter.steps)
