@@ -403,3 +403,47 @@ def test_gpu_attnres_model_as_accurate_as_float32_pytorch(seed, residual, block)
     # as accurate as float32 PyTorch within 3x (and 1e-6: float32's rounding of a loss near 7) on most draws
     assert sum(lk <= 3 * lt + 1e-6 for lk, lt, _, _ in errors) >= 3, errors
     assert sum(gk <= 3 * gt + 1e-6 for _, _, gk, gt in errors) >= 3, errors
+
+
+def _later_tokens_changed(idx: torch.Tensor, t: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    other = idx.clone()
+    other[:, t:] = (idx[:, t:] + torch.randint(1, TINY.vocab_size, idx[:, t:].shape, generator=g)) % TINY.vocab_size
+    return other
+
+
+@pytest.mark.parametrize("residual,block", [("plain", 1), ("block_attnres", 2), ("full_attnres", 1)])
+@pytest.mark.parametrize("t", [1, 16, 23])
+def test_logits_before_a_position_ignore_every_later_token(seed, residual, block, t):
+    """Causality of the whole model (KDA with its short convolutions, softmax attention, MoE with shared expert,
+    the residual rule), in training mode, float64: new tokens from position t on leave the logits of positions
+    < t unchanged (chunk-size 16 boundaries at t = 16 and inside a chunk at t = 23) and change those after."""
+    torch.manual_seed(seed)
+    model = build(residual=residual, attnres_block_size=block, n_shared_experts=1)
+    idx = torch.randint(0, TINY.vocab_size, (2, 40))
+    a, b = model(idx)[0], model(_later_tokens_changed(idx, t, seed))[0]
+    torch.testing.assert_close(b[:, :t], a[:, :t], rtol=1e-12, atol=1e-12)
+    assert (b[:, t:] - a[:, t:]).abs().amax() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_logits_before_a_position_ignore_every_later_token(seed, compiled):
+    """The same on the CUDA path training uses: Triton KDA, short-convolution and AttnRes kernels, bf16 autocast,
+    optionally the whole model compiled. Earlier positions move by less than bf16 rounding of their values; later
+    ones by far more."""
+    torch.manual_seed(seed)
+    model = K3LM(dataclasses.replace(TINY, kda_backend="auto", dim=128, n_heads=2, head_dim=64, n_layers=6,
+                                     layer_pattern="KKKA", n_shared_experts=1, residual="block_attnres",
+                                     attnres_block_size=4)).cuda()
+    if compiled:
+        model.compile()
+    idx = torch.randint(0, TINY.vocab_size, (2, 300))
+    for t in (64, 100):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            a = model(idx.cuda())[0].float()
+            b = model(_later_tokens_changed(idx, t, seed).cuda())[0].float()
+        scale = a[:, :t].abs().amax()
+        assert (b[:, :t] - a[:, :t]).abs().amax() <= 2**-7 * scale
+        assert (b[:, t:] - a[:, t:]).abs().amax() > 2**-4 * scale
