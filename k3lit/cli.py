@@ -47,7 +47,7 @@ from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
-from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_full_checkpoint
+from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_model_checkpoint
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
 from k3lit.train.module import K3LitModule
@@ -260,7 +260,7 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
-    ckpt = load_full_checkpoint(args.ckpt)
+    ckpt = load_model_checkpoint(args.ckpt)
     module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])
     model = module.model.to(args.device).eval()

@@ -97,6 +97,24 @@ def _generate_matches_gathered_weights(folder: Path, saved: dict, capsys) -> Non
     assert text == ByteTokenizer().decode(want)
 
 
+def _export_reads_the_gathered_weights_only(folder: Path, saved: dict, out: Path) -> None:
+    """`k3lit export --ckpt <sharded folder>`: exactly the gathered weights (a tied LM head stored once), read
+    without the optimizer states."""
+    from safetensors.torch import load_file
+
+    from k3lit.train.checkpoint import load_model_checkpoint
+
+    loaded = load_model_checkpoint(folder)
+    assert "optimizer_0" not in loaded and "optimizer_states" not in loaded
+    assert loaded["state_dict"].keys() == saved["state_dict"].keys()
+    main(["export", "--ckpt", str(folder), "--out", str(out)])
+    exported = load_file(out / "model.safetensors")
+    want = {k: v for k, v in saved["state_dict"].items() if k != "model.lm_head.weight"}  # tied: the embedding
+    assert exported.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(exported[name], t), name
+
+
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, capsys):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -105,6 +123,7 @@ def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, 
     saved = _full(at4, tmp_path)
     assert torch.load(at4 / "meta.pt", weights_only=False)["global_step"] == 4
     _generate_matches_gathered_weights(at4, saved, capsys)
+    _export_reads_the_gathered_weights_only(at4, saved, tmp_path / "hf")
 
     # 2 -> 2: the same losses and the same final weights as the uninterrupted run.
     _fit_two_processes(resumed, corpus, 8, "--ckpt_path", str(at4))

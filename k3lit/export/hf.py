@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from k3lit.data.datamodule import K3DataModule
 from k3lit.data.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer
 from k3lit.data.tokenizer import Tokenizer as K3Tokenizer
-from k3lit.train.checkpoint import load_full_checkpoint
+from k3lit.train.checkpoint import load_model_checkpoint
 
 MODELING = Path(__file__).with_name("modeling_k3lit.py")
 
@@ -24,7 +24,8 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     ``tokenizers``) with ``tokenizer_config.json``, and ``generation_config.json``.
 
     Args:
-        ckpt: a ``.ckpt`` file or a sharded checkpoint folder of ``k3lit fit`` (gathered once into CPU memory).
+        ckpt: a ``.ckpt`` file or a sharded checkpoint folder of ``k3lit fit``; its weights are read once into CPU
+            memory, its optimizer states not at all (:func:`~k3lit.train.checkpoint.load_model_checkpoint`).
         out: the folder to write (created; existing files of the same names are replaced).
 
     Returns:
@@ -38,7 +39,7 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     from k3lit.cli import _init_args
     from k3lit.data.datamodule import tokenizer_from_state
 
-    whole = load_full_checkpoint(ckpt)
+    whole = load_model_checkpoint(ckpt)
     cfg = whole["hyper_parameters"]["model"]
     weights = {k: v.float().contiguous() for k, v in whole["state_dict"].items() if k.startswith("model.")}
     if cfg.tie_embeddings:

@@ -4,14 +4,14 @@ and Lightning's ``meta.pt`` with the hyper-parameters, loops and data position).
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["check_checkpoint", "is_sharded_checkpoint", "checkpoint_hparams", "load_full_checkpoint"]
+__all__ = ["check_checkpoint", "is_sharded_checkpoint", "checkpoint_hparams", "load_model_checkpoint"]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
@@ -43,20 +43,28 @@ def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     return torch.load(p / META if p.is_dir() else p, map_location="cpu", weights_only=True).get("hyper_parameters", {})
 
 
-def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The whole checkpoint as one CPU dict: ``state_dict`` with full (unsharded) tensors, optimizer states,
-    hyper-parameters and everything else Lightning saved. A sharded folder is gathered with torch's
-    ``dcp_to_torch_save`` (it must fit in CPU memory) and merged with its ``meta.pt``.
+def load_model_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint without its optimizer states, as one CPU dict: ``state_dict`` with full (unsharded) float
+    tensors, hyper-parameters, the data module's state and the rest of what Lightning saved. Each weight is read
+    once and no optimizer moment is read: a file is memory-mapped (its optimizer tensors stay on disk), a sharded
+    folder is read with ``torch.distributed.checkpoint.load`` into tensors allocated for the ``state_dict`` entries
+    only (no process group needed).
 
     Raises:
         FileNotFoundError: ``path`` is neither a file nor a sharded checkpoint folder.
     """
     p = check_checkpoint(path)
     if p.is_file():
-        return torch.load(p, map_location="cpu", weights_only=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        whole = Path(tmp) / "whole.pt"
-        dcp_to_torch_save(p, whole)
-        ckpt = torch.load(whole, map_location="cpu", weights_only=False)
-    ckpt.update(torch.load(p / META, map_location="cpu", weights_only=False))
+        ckpt = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+        ckpt.pop("optimizer_states", None)
+        return ckpt
+    metadata = dcp.FileSystemReader(p).read_metadata()
+    weights = {}
+    for flat, where in metadata.planner_data.items():  # flattened key -> its path in the saved nested dict
+        entry = metadata.state_dict_metadata[flat]
+        if where[0] == "state_dict" and isinstance(entry, TensorStorageMetadata):
+            weights[where[1]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    dcp.load({"state_dict": weights}, checkpoint_id=p, no_dist=True)
+    ckpt = torch.load(p / META, map_location="cpu", weights_only=False)
+    ckpt["state_dict"] = weights
     return ckpt

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from k3lit.cli import main
-from k3lit.train.checkpoint import load_full_checkpoint
+from k3lit.train.checkpoint import load_model_checkpoint
 from k3lit.train.module import K3LitModule
 
 SMALL = [
@@ -28,7 +28,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_tokens(tmp_pa
     assert {"config.json", "model.safetensors", "modeling_k3lit.py", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
 
-    whole = load_full_checkpoint(ckpt)
+    whole = load_model_checkpoint(ckpt)
     module = K3LitModule(**{k: v for k, v in whole["hyper_parameters"].items() if not k.startswith("_")})
     module.load_state_dict(whole["state_dict"])
     ref = module.model.eval()
