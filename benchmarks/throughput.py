@@ -49,7 +49,8 @@ def recipe_config(recipe: Path, vocab: int | None) -> tuple[ModelConfig, dict]:
 
 
 def plain_baseline(c: ModelConfig) -> ModelConfig:
-    """Softmax attention everywhere, dense SwiGLU, plain residual; mlp_hidden matched on active weights."""
+    """Softmax attention everywhere (no positional encoding, as ``c``'s), dense SwiGLU, plain residual;
+    mlp_hidden matched on active weights."""
     base = dataclasses.replace(c, layer_pattern="A", n_experts=0, residual="plain", first_dense_layers=0)
     target = active_matmul_params(c)
     without_mlp = active_matmul_params(dataclasses.replace(base, mlp_hidden=1)) - 3 * c.dim * c.n_layers

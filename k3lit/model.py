@@ -55,9 +55,12 @@ class ModelConfig:
         vocab_size: tokenizer vocabulary; None takes it from the data module.
         dim: model width D.
         n_layers: number of layers; each has a token-mixer and a channel-mixer sublayer.
-        layer_pattern: token mixer per layer, repeated cyclically: ``K`` = KDA, ``A`` = softmax attention
-            (NoPE), e.g. ``KKKA`` = three KDA layers then one attention layer.
+        layer_pattern: token mixer per layer, repeated cyclically: ``K`` = KDA, ``A`` = softmax attention,
+            e.g. ``KKKA`` = three KDA layers then one attention layer.
         n_heads, head_dim: heads and per-head width of both token mixers (KDA uses K = V = head_dim).
+        rope_theta: positional encoding of the softmax-attention layers: None = none (NoPE, as in Kimi Linear's
+            hybrid, where KDA and its short convolutions carry position); a base > 0 = rotary embeddings
+            (10000 as in Llama 2), for transformers without KDA layers.
         kda_g_min: lower bound of KDA's log-decay, ``g = g_min * sigmoid(.)``.
         kda_backend: ``auto`` | ``torch`` | ``triton`` | ``reference``.
         mlp_hidden: hidden width of the dense SwiGLU channel mixer.
@@ -107,6 +110,7 @@ class ModelConfig:
     layer_pattern: str = "KKKA"
     n_heads: int = 4
     head_dim: int = 64
+    rope_theta: float | None = None
     kda_g_min: float = -5.0
     kda_backend: str = "auto"
     mlp_hidden: int = 768
@@ -139,6 +143,9 @@ class ModelConfig:
         for field in ("dim", "n_layers", "n_heads", "head_dim", "mlp_hidden"):
             if getattr(self, field) < 1:
                 raise bad(field, "must be a positive integer")
+        if self.rope_theta is not None and not (self.rope_theta > 0 and self.head_dim % 2 == 0):
+            raise bad("rope_theta", f"rotary embeddings need a base > 0 and an even head_dim (got {self.head_dim}); "
+                                    "None turns them off")
         if not self.layer_pattern or set(self.layer_pattern) - set(LAYER_TYPES):
             raise bad("layer_pattern", f"use only the letters {sorted(LAYER_TYPES)} (K = KDA, A = softmax attention)")
         try:
@@ -232,7 +239,7 @@ class K3LM(nn.Module):
                 mixer = KimiDeltaAttention(c.dim, c.n_heads, c.head_dim, c.kda_g_min, backend=c.kda_backend,
                                            norm_eps=c.norm_eps)
             else:
-                mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps)
+                mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps, rope_theta=c.rope_theta)
             if c.is_moe(layer):
                 channel = MoE(c.dim, c.n_experts, c.top_k, c.expert_dim, c.n_shared_experts, c.balancer,
                               c.bias_update_rate, c.aux_loss_coef, c.capacity_factor, c.quantile_rate,

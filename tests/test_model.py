@@ -71,9 +71,10 @@ def test_plain_residual_runs_and_differs(seed):
     assert logits.shape == (2, 9, 50) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("residual", ["plain", "block_attnres", "full_attnres"])
-def test_incremental_decoding_equals_full_forward(seed, residual):
-    model = build(residual=residual).eval()
+@pytest.mark.parametrize("residual,rope_theta", [("plain", None), ("block_attnres", None), ("full_attnres", None),
+                                                ("block_attnres", 100.0)])
+def test_incremental_decoding_equals_full_forward(seed, residual, rope_theta):
+    model = build(residual=residual, rope_theta=rope_theta).eval()
     idx = torch.randint(0, 50, (2, 40))
     full, _ = model(idx)
     logits, states = model(idx[:, :13], return_state=True)
@@ -156,6 +157,7 @@ def test_router_bias_stays_float32_under_bf16():
         ("dim", 0, "dim"),
         ("first_dense_layers", 9, "first_dense_layers"),
         ("attnres_block_size", 0, "attnres_block_size"),
+        ("rope_theta", 0.0, "rope_theta"),
     ],
 )
 def test_bad_config_names_field(field, value, match):
@@ -412,14 +414,15 @@ def _later_tokens_changed(idx: torch.Tensor, t: int, seed: int) -> torch.Tensor:
     return other
 
 
-@pytest.mark.parametrize("residual,block", [("plain", 1), ("block_attnres", 2), ("full_attnres", 1)])
+@pytest.mark.parametrize("residual,block,rope_theta", [("plain", 1, None), ("block_attnres", 2, None),
+                                                      ("full_attnres", 1, None), ("plain", 1, 100.0)])
 @pytest.mark.parametrize("t", [1, 16, 23])
-def test_logits_before_a_position_ignore_every_later_token(seed, residual, block, t):
+def test_logits_before_a_position_ignore_every_later_token(seed, residual, block, rope_theta, t):
     """Causality of the whole model (KDA with its short convolutions, softmax attention, MoE with shared expert,
     the residual rule), in training mode, float64: new tokens from position t on leave the logits of positions
     < t unchanged (chunk-size 16 boundaries at t = 16 and inside a chunk at t = 23) and change those after."""
     torch.manual_seed(seed)
-    model = build(residual=residual, attnres_block_size=block, n_shared_experts=1)
+    model = build(residual=residual, attnres_block_size=block, n_shared_experts=1, rope_theta=rope_theta)
     idx = torch.randint(0, TINY.vocab_size, (2, 40))
     a, b = model(idx)[0], model(_later_tokens_changed(idx, t, seed))[0]
     torch.testing.assert_close(b[:, :t], a[:, :t], rtol=1e-12, atol=1e-12)

@@ -1,4 +1,5 @@
-"""Softmax attention through SDPA with no positional encoding (the 'A' layers of a hybrid pattern)."""
+"""Softmax attention through SDPA (the 'A' layers of a hybrid pattern): no positional encoding by default, as in
+Kimi Linear, or rotary embeddings."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3lit.nn.norm import RMSNorm
+from k3lit.ops.rope import rotary
 
 
 @dataclass
@@ -20,20 +22,25 @@ class KVCache:
 
 
 class SoftmaxAttention(nn.Module):
-    """Causal multi-head softmax attention without positional encoding (NoPE, as in Kimi Linear).
+    """Causal multi-head softmax attention with QK-norm; without positional encoding (NoPE, as in Kimi Linear,
+    where the KDA layers carry position) or with rotary embeddings on the normalised queries and keys.
 
     Args:
         dim: model width D.
         n_heads: heads H.
         head_dim: width per head.
+        norm_eps: epsilon of the q and k RMSNorms.
+        rope_theta: None (NoPE) or the rotary frequency base (:func:`k3lit.ops.rope.rotary`).
 
     ``forward(x [B, T, D], cache: KVCache | None, return_state) -> (y [B, T, D], KVCache | None)``.
     With a cache, the new tokens attend to every cached token and causally among themselves.
     """
 
-    def __init__(self, dim: int, n_heads: int, head_dim: int, norm_eps: float = 1e-6) -> None:
+    def __init__(
+        self, dim: int, n_heads: int, head_dim: int, norm_eps: float = 1e-6, rope_theta: float | None = None
+    ) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, head_dim
+        self.n_heads, self.head_dim, self.rope_theta = n_heads, head_dim, rope_theta
         self.qkv = nn.Linear(dim, 3 * n_heads * head_dim, bias=False)
         self.q_norm = RMSNorm(head_dim, eps=norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=norm_eps)
@@ -46,6 +53,9 @@ class SoftmaxAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)  # QK-norm keeps NoPE logits bounded
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
+        if self.rope_theta is not None:  # the cache holds rotated keys
+            start = 0 if cache is None else cache.k.shape[2]
+            q, k = rotary(q, start, self.rope_theta), rotary(k, start, self.rope_theta)
         if cache is not None:
             k = torch.cat([cache.k, k], dim=2)
             v = torch.cat([cache.v, v], dim=2)
