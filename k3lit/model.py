@@ -300,6 +300,14 @@ class K3LM(nn.Module):
                 m.reset_parameters()
         self.reset_parameters()
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile`` (arguments as ``torch.compile``'s), the whole model as one graph, activation
+        checkpointing included: dynamo is set (a process-wide setting) to keep the side effects of a checkpointed
+        forward (the MoE layers' balancer statistics) out of its recomputation, as eager mode does (the MoE skips
+        recording while autograd recomputes), instead of breaking the graph at every checkpointed segment."""
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        super().compile(*args, **kwargs)
+
     def moe_layers(self) -> list[MoE]:
         """The MoE modules in depth order."""
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -29,14 +29,24 @@ def _steps(model: K3LM, x: torch.Tensor, n: int) -> list[float]:
     return losses
 
 
-def test_whole_model_compiles_without_graph_breaks_and_balances():
+@pytest.mark.parametrize("policy", ["none", "block"])
+def test_whole_model_compiles_without_graph_breaks_and_balances(policy):
+    """Also with block checkpointing (``K3LM.compile`` keeps the recording out of the recomputation): one
+    forward and backward leaves each MoE with exactly its own tokens pending."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=96, dim=32, n_layers=4, layer_pattern="KKKA", n_heads=2, head_dim=16, n_experts=4,
-                      top_k=2, expert_dim=16, n_shared_experts=1, kda_backend="torch")
+    cfg = ModelConfig(vocab_size=96, dim=32, n_layers=4 if policy == "none" else 3, layer_pattern="KKKA", n_heads=2,
+                      head_dim=16, n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1, kda_backend="torch",
+                      attnres_block_size=2, activation_checkpointing=policy)  # block: 2 of 3 segments recomputed
     eager = K3LM(cfg)
     compiled = copy.deepcopy(eager)
     compiled.compile(fullgraph=True)
     x = torch.randint(0, cfg.vocab_size, (2, 49), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(x[:, :-1])[0].float().logsumexp(-1).mean().backward()
+    assert all(moe.pending_tokens == x.shape[0] * (x.shape[1] - 1) for moe in compiled.moe_layers())
+    compiled.zero_grad()
+    update_balancers(compiled)
+    compiled.load_state_dict(eager.state_dict())  # the balancers' biases as well
     ref, out = _steps(eager, x, 2), _steps(compiled, x, 2)
     assert abs(out[0] - ref[0]) < 1e-2 * ref[0] and abs(out[1] - ref[1]) < 1e-2 * ref[1], (ref, out)
     for moe in compiled.moe_layers():  # the quantile balancer recorded the compiled forwards and moved its bias
