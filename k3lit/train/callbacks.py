@@ -50,9 +50,10 @@ class K3ThroughputMonitor(ThroughputMonitor):
             length_fn=lambda b: b.shape[0] * (b.shape[1] - 1),
             window_size=window_size,
         )
+        self.window_size = window_size
         self._override_flops = available_flops
         self._flops_cache: dict[tuple[int, int], float] = {}
-        self.last_metrics: dict[str, float] = {}  # what was last logged, for ProgressLines
+        self.last_metrics: dict[str, float] = {}  # what was last logged, for ProgressLines and RunSummary
 
     @override
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:

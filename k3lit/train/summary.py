@@ -6,6 +6,7 @@
       wall time      0:09:00 (validation 0:00:29)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
+      recent rate    7,950 tokens/s per device (the last 20 steps logged)
       held-out bpb   2.412 (val/bpb at step 1000, over the split's 3.168 bytes/token)
       same bytes     model 2.751 · gzip -9 1.724 · xz -9e 1.243 bits/byte on the 320 validation blocks (227,404
                      bytes, 2.765 bytes/token)
@@ -164,6 +165,8 @@ class RunSummary(Callback):
             ("tokens/s", f"{self._tokens * world / train_seconds:,.0f} (all devices, validation excluded)"),
             ("MFU", self._mfu(trainer, train_seconds)),
         ]
+        if (recent := self._recent(trainer)) is not None:
+            rows.append(("recent rate", recent))
         bpb = metrics.get("val/bpb")
         if bpb is None or self._val_step is None:
             rows.append(("held-out bpb", "no validation ran"))
@@ -181,6 +184,18 @@ class RunSummary(Callback):
             rows.append(("MaxVio_global", " · ".join(f"layer{i} {v:.2f}" for i, v in vio)))
         rows += self._outputs(trainer)
         return rows
+
+    @staticmethod
+    def _recent(trainer: L.Trainer) -> str | None:
+        """The K3ThroughputMonitor's latest rolling window: the pace once compilation and warm-up are behind (the
+        whole-run figures above include them); None before its first window."""
+        monitor = next((m for m in trainer.callbacks if isinstance(m, K3ThroughputMonitor)), None)
+        tps = None if monitor is None else monitor.last_metrics.get("train/device/items_per_sec")
+        if tps is None:
+            return None
+        mfu = monitor.last_metrics.get("train/device/mfu")
+        return (f"{float(tps):,.0f} tokens/s per device" + ("" if mfu is None else f", MFU {100 * float(mfu):.1f}%")
+                + f" (the last {monitor.window_size} steps logged)")
 
     def _mfu(self, trainer: L.Trainer, train_seconds: float) -> str:
         monitor = next((m for m in trainer.callbacks if isinstance(m, K3ThroughputMonitor)), None)

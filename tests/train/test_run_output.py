@@ -69,7 +69,8 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     monkeypatch.chdir(ROOT)
     args = fit_args(tmp_path, stdlib_cache, 4, 2)[1:] + [
         "--trainer.accumulate_grad_batches=2", "--trainer.callbacks+=k3lit.train.progress.StepProgressBar",
-        "--trainer.callbacks+=k3lit.train.callbacks.K3ThroughputMonitor", "--trainer.callbacks.available_flops=1e9"]
+        "--trainer.callbacks+=k3lit.train.callbacks.K3ThroughputMonitor", "--trainer.callbacks.available_flops=1e9",
+        "--trainer.callbacks.window_size=2"]
     cli = K3CLI(args=args, run=False)
     bar = next(c for c in cli.trainer.callbacks if isinstance(c, StepProgressBar))
     summary = next(c for c in cli.trainer.callbacks if isinstance(c, RunSummary))
@@ -83,10 +84,15 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     assert {s for s, _ in frames} <= {"1", "2", "3", "4"}
     assert "k3lit fit: max_steps reached at step 4" in text
     assert all(f"{label} " in text for label, _ in summary.rows)
-    assert [label for label, _ in summary.rows] == list(SUMMARY_FIELDS)
+    assert [label for label, _ in summary.rows] == [*SUMMARY_FIELDS[:5], "recent rate", *SUMMARY_FIELDS[5:]]
     rows = dict(summary.rows)
     assert rows["tokens"] == f"{4 * 2 * 2 * 32:,} (this run)"  # 4 steps of 2 micro-batches of [2, 32]
     tokens_per_s = float(rows["tokens/s"].split()[0].replace(",", ""))
     mfu = re.fullmatch(r"([\d.]+)% \(of 0.001 TFLOP/s per device\)", rows["MFU"])  # the monitor's 1e9 FLOP/s
     flops_per_token = training_flops_per_token(cli.model.model_config, 32)
     assert mfu and float(mfu.group(1)) == pytest.approx(100 * tokens_per_s * flops_per_token / 1e9, rel=0.02, abs=0.06)
+    recent = re.fullmatch(r"([\d,]+) tokens/s per device, MFU ([\d.]+)% \(the last 2 steps logged\)",
+                          rows["recent rate"])
+    assert recent, rows["recent rate"]
+    recent_tps = float(recent.group(1).replace(",", ""))
+    assert float(recent.group(2)) == pytest.approx(100 * recent_tps * flops_per_token / 1e9, rel=0.02, abs=0.06)
