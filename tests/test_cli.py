@@ -134,7 +134,8 @@ def test_resume_continues_same_stream_optimizer_and_balancer(tmp_path, cache, mo
     if balancer:  # the running capacity thresholds, like the running bias, continue from the checkpoint
         assert any("capacity_threshold" in n and t.abs().sum() > 0 for n, t in a["state_dict"].items())
     opt_a, opt_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
-    assert all(torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"]) for i in opt_a)
+    assert opt_a.keys() == opt_b.keys() and all(  # every moment and momentum buffer of the optimizer
+        torch.equal(t, opt_b[i][k]) for i in opt_a for k, t in opt_a[i].items() if torch.is_tensor(t))
     assert a["lr_schedulers"][0]["last_epoch"] == b["lr_schedulers"][0]["last_epoch"] == 12
     whole_loss, resumed_loss = read_metric(whole, "train/loss"), read_metric(parts, "train/loss")
     assert [first_loss[s] for s in range(6)] == [whole_loss[s] for s in range(6)]
@@ -305,7 +306,7 @@ def test_resume_takes_the_architecture_from_the_checkpoint_and_the_rest_from_the
     assert out["global_step"] == 5
     model, optim = out["hyper_parameters"]["model"], out["hyper_parameters"]["optim"]
     assert (model.dim, model.n_heads, model.activation_checkpointing, optim.lr) == (64, 2, "block", 1e-4)
-    assert out["lr_schedulers"][0]["base_lrs"] == [1e-4, 1e-4]  # the restored schedule follows the new lr
+    assert set(out["lr_schedulers"][0]["base_lrs"]) == {1e-4}  # the restored schedule follows the new lr
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["model"]
     assert (saved["dim"], saved["activation_checkpointing"]) == (64, "block")
 

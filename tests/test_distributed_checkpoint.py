@@ -26,7 +26,7 @@ ROOT = Path(__file__).parents[1]
 MODEL = [
     "--model.dim=64", "--model.n_layers=2", "--model.layer_pattern=KA", "--model.n_heads=2", "--model.head_dim=32",
     "--model.mlp_hidden=128", "--model.n_experts=4", "--model.top_k=2", "--model.expert_dim=64",
-    "--model.attnres_block_size=2", "--optim.warmup_steps=2",
+    "--model.attnres_block_size=2", "--optim.warmup_steps=2", "--optim.name=adamw",  # Adam moments checked below
 ]
 
 
