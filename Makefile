@@ -38,7 +38,7 @@ test: install
 	$(BIN)/pytest -n 2 --timeout 600 $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check k3lit kernels tests benchmarks
+	$(BIN)/ruff check k3lit tests benchmarks
 
 clean:
 	rm -rf runs .cache .pytest_cache

@@ -516,7 +516,7 @@ def test_errors():
     ],
 )
 def test_scan_plan_rule(which, NH, K, expect):
-    """The launch rule documented in kernels/kda/README.md ("Compile time / tuning") and plan._scan_plan; with
+    """The launch rule documented in k3lit/kernels/kda/README.md ("Compile time / tuning") and plan._scan_plan; with
     float32 operands at K = 256 always the plain state, in 2 pipeline stages (the shared memory of the transposed
     state, and of 3 stages, exceeds the H200's: test_sm90_compile.py)."""
     transposed, BK, BV, _, stages = plan._scan_plan(which, NH, K, 128, torch.device("meta"), False)

@@ -1,5 +1,5 @@
 """Kimi Delta Attention: one public op with three faces (float64-able reference, chunked PyTorch, Triton) and the
-bounded-gate safety checks. Math: docs/MATH.md §1; chunk size and the overflow bound: kernels/kda/README.md.
+bounded-gate safety checks. Math: docs/MATH.md §1; chunk size and the overflow bound: k3lit/kernels/kda/README.md.
 
 Files: ``op.py`` (:func:`kda`, :func:`kda_step`: checks and backend dispatch), ``reference.py`` (the token-by-token
 recurrence), ``chunk.py`` (the chunked PyTorch form), ``gate.py`` (log-decay gates). The input checks are shared

@@ -58,7 +58,7 @@ from k3lit.kernels.kda.plan import (
 
 @triton.jit
 def _exp_rebased(x, F32: tl.constexpr):
-    """``exp(x)`` of a rebased exponent, |x| <= ``EXP_LIMIT`` = 87 (kernels/kda_validate.py): G - G_r, G_r and
+    """``exp(x)`` of a rebased exponent, |x| <= ``EXP_LIMIT`` = 87 (k3lit/kernels/kda_validate.py): G - G_r, G_r and
     G_last - G_r in :func:`_intra_chunk`. Triton's ``tl.exp`` is ``ex2.approx.f32`` of x log2(e), which ptxas wraps
     in a subnormal fix-up (a compare and two predicated multiplies around each ``MUFU.EX2``); for |x| <= 87 < 87.34
     every result is a normal float32, where ``ex2.approx.ftz.f32`` gives the same bits without the fix-up, so

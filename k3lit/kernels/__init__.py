@@ -1,4 +1,4 @@
-"""Triton kernels of k3lit, installed as ``k3lit.kernels`` (one folder per operator)."""
+"""Triton kernels of k3lit, one folder per operator."""
 
 import os
 
