@@ -75,8 +75,9 @@ class ModelConfig:
         capacity_factor: None (no limit) or cf > 0: an expert's capacity is ``cf · m k / n`` of m tokens;
             overflow is re-routed to the next candidate with room, else dropped.
         capacity_mode: ``forward``: each expert takes at most ``ceil(cf · m k / n)`` tokens of a micro-batch
-            (per rank), so a token's routing depends on the later tokens of its sequence; ``quantile``: each
-            expert admits only tokens whose score reaches its running threshold, the score above which
+            (per rank), so a token's routing depends on the later tokens of its sequence; ``causal``: the same
+            count with tokens admitted in position order, so it depends on earlier positions only; ``quantile``:
+            each expert admits only tokens whose score reaches its running threshold, the score above which
             ``cf · m k / n`` of a step's tokens chose it (estimated from earlier steps: routing stays causal).
         quantile_rate: ρ ∈ (0, 1], rate of the sliding-average quantile: every optimizer step moves the bias
             of ``quantile`` / ``quantile_hist`` (and the ``quantile`` capacity threshold) by ρ towards that

@@ -414,15 +414,18 @@ def _later_tokens_changed(idx: torch.Tensor, t: int, seed: int) -> torch.Tensor:
     return other
 
 
-@pytest.mark.parametrize("residual,block,rope_theta", [("plain", 1, None), ("block_attnres", 2, None),
-                                                      ("full_attnres", 1, None), ("plain", 1, 100.0)])
+@pytest.mark.parametrize("residual,block,rope_theta,capacity", [
+    ("plain", 1, None, None), ("block_attnres", 2, None, None), ("full_attnres", 1, None, None),
+    ("plain", 1, 100.0, None), ("block_attnres", 2, None, "causal")])
 @pytest.mark.parametrize("t", [1, 16, 23])
-def test_logits_before_a_position_ignore_every_later_token(seed, residual, block, rope_theta, t):
+def test_logits_before_a_position_ignore_every_later_token(seed, residual, block, rope_theta, capacity, t):
     """Causality of the whole model (KDA with its short convolutions, softmax attention, MoE with shared expert,
-    the residual rule), in training mode, float64: new tokens from position t on leave the logits of positions
-    < t unchanged (chunk-size 16 boundaries at t = 16 and inside a chunk at t = 23) and change those after."""
+    the residual rule, the causal capacity limit at cf = 1), in training mode, float64: new tokens from position
+    t on leave the logits of positions < t unchanged (chunk-size 16 boundaries at t = 16 and inside a chunk at
+    t = 23) and change those after."""
     torch.manual_seed(seed)
-    model = build(residual=residual, attnres_block_size=block, n_shared_experts=1, rope_theta=rope_theta)
+    limit = {} if capacity is None else {"capacity_factor": 1.0, "capacity_mode": capacity}
+    model = build(residual=residual, attnres_block_size=block, n_shared_experts=1, rope_theta=rope_theta, **limit)
     idx = torch.randint(0, TINY.vocab_size, (2, 40))
     a, b = model(idx)[0], model(_later_tokens_changed(idx, t, seed))[0]
     torch.testing.assert_close(b[:, :t], a[:, :t], rtol=1e-12, atol=1e-12)

@@ -43,6 +43,7 @@ from k3lit.ops.routing import (
     aux_loss,
     capacity_route,
     capacity_threshold_from_histogram,
+    causal_capacity_route,
     chooser_score_histogram,
     expert_counts,
     expert_load,
@@ -58,7 +59,7 @@ from k3lit.ops.routing import (
 __all__ = ["MoE", "GroupedExperts", "BALANCERS", "CAPACITY_MODES", "update_balancers"]
 
 BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
-CAPACITY_MODES = ("forward", "quantile")
+CAPACITY_MODES = ("forward", "causal", "quantile")
 HIST_BINS = 1000  # bins per expert of the quantile_hist estimator and of the capacity threshold (docs/MATH.md §2)
 _FLOAT32_BUFFERS = ("expert_bias", "capacity_threshold")
 _PENDING_WARN = 4096  # micro-batches without an update_balancer() call before we warn once
@@ -151,7 +152,10 @@ class MoE(nn.Module):
             all-reduce of ``2 n`` floats instead of pooling every score or histogram each step).
         capacity_mode: ``"forward"``: each expert takes at most ``ceil(cf · m k / n)`` of the ``m`` tokens of a
             forward (per rank), so a token's routing depends on the other tokens of the forward, the later
-            positions of its own sequence included. ``"quantile"``: expert j admits token i only if
+            positions of its own sequence included. ``"causal"``: the same count, with tokens admitted in
+            position order (every sequence's position 0, then position 1, ...;
+            :func:`k3lit.ops.routing.causal_capacity_route`), so a token's routing depends on earlier positions
+            only, of its own sequence and of the others in the forward. ``"quantile"``: expert j admits token i only if
             ``s_ij >= capacity_threshold_j``, a running estimate (rate ``quantile_rate``) of the score above
             which ``cf · m k / n`` of the step's tokens chose j; the threshold comes from earlier steps, so a
             token's routing depends on its own scores and the module's state alone (causal).
@@ -279,6 +283,10 @@ class MoE(nn.Module):
         elif self.capacity_mode == "forward":  # dropped slots have index -1 and weight 0
             expert_idx, weights, rerouted, dropped = capacity_route(
                 scores, self.expert_bias, self.top_k, self.capacity_factor
+            )
+        elif self.capacity_mode == "causal":  # a count per forward, admitted position by position
+            expert_idx, weights, rerouted, dropped = causal_capacity_route(
+                scores, self.expert_bias, self.top_k, self.capacity_factor, T
             )
         else:  # causal: a per-expert threshold from earlier steps, no count over this forward's tokens
             expert_idx, weights, rerouted, dropped = capacity_route(

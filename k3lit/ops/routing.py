@@ -18,6 +18,8 @@ Balancers:
   bias (or the capacity threshold) into the sliding-average estimate.
 * :func:`capacity_route` -- top-k routing with a per-expert capacity (a count per forward, or a causal score
   threshold); overflow re-routed or dropped.
+* :func:`causal_capacity_route` -- a count per forward with tokens admitted in position order, so that no token's
+  routing depends on a later position.
 * :func:`chooser_score_histogram` + :func:`capacity_threshold_from_histogram` -- the per-expert score threshold
   of the quantile capacity mode, from integer counts that add up over micro-batches and ranks.
 
@@ -34,6 +36,7 @@ __all__ = [
     "expert_counts",
     "route",
     "capacity_route",
+    "causal_capacity_route",
     "chooser_score_histogram",
     "capacity_threshold_from_histogram",
     "sliding_average",
@@ -325,6 +328,70 @@ def capacity_route(
         kept = final >= 0
         rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
         dropped = (~kept).sum()
+    chosen = scores.gather(1, final.clamp(min=0)) * kept
+    weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    return final, weights, rerouted, dropped
+
+
+def causal_capacity_route(
+    scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing with a per-expert count limit, tokens admitted in position order (docs/MATH.md §2).
+
+    The ``m = B T`` rows of ``scores`` are ``B`` sequences of ``T = seq_len`` tokens, sequence-major. Tokens are
+    taken in *priority order*: position 0 of every sequence (sequence order), then position 1, and so on. Each
+    takes its top k of ``s_i + b`` among the experts that are still open; expert j closes once
+    ``c = min(ceil(cf · m k / n), m)`` tokens have taken it. A token's routing therefore depends only on the
+    tokens before it in priority order: earlier positions of every sequence and the same position of earlier
+    sequences, never a later position of any sequence. Every expert ends with at most c tokens.
+
+    Computed without a loop over tokens: with each expert's closing point fixed, every token's choice is one
+    masked top-k; the earliest point at which some expert's running count exceeds c closes that expert there
+    (the choices before it cannot change), and n + 1 such rounds settle all of them. Work ``O(n² m)``.
+
+    Args:
+        scores: ``[m, n]`` router scores (may require grad; the weights are differentiable).
+        bias: ``[n]`` float32 selection bias.
+        k: experts per token, ``1 <= k <= n``.
+        capacity_factor: cf > 0.
+        seq_len: T, with ``m`` a multiple of it.
+
+    Returns:
+        ``(expert_idx [m, k] int64, weights [m, k], rerouted [] int64, dropped [] int64)`` as
+        :func:`capacity_route` returns them (-1 and weight 0 for a slot that found no open expert).
+
+    Raises:
+        ValueError: bad shapes or k, ``capacity_factor <= 0``, or ``m`` not a multiple of ``seq_len``.
+    """
+    _check_scores_bias(scores, bias, k, scores.shape[1])
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    m, n = scores.shape
+    if seq_len < 1 or m % seq_len:
+        raise ValueError(f"the {m} tokens are not whole sequences of seq_len={seq_len}")
+    dev = scores.device
+    cap = max(1, min(math.ceil(capacity_factor * m * k / n), m))
+    with torch.no_grad():
+        order = torch.arange(m, device=dev).view(m // seq_len, seq_len).T.reshape(-1)  # priority -> row
+        key = (scores.detach() + bias.to(scores.dtype))[order]  # [m, n] in priority order
+        top = key.topk(k, dim=-1).indices
+        rank = torch.arange(m, device=dev)[:, None]
+        closes_at = torch.full((n,), m, dtype=torch.long, device=dev)  # first priority rank that j refuses
+        for settled in (False,) * n + (True,):
+            vals, idx = key.masked_fill(rank >= closes_at, -math.inf).topk(k, dim=-1)
+            kept = vals > -math.inf
+            if settled:
+                break
+            taken = torch.zeros(m, n, dtype=torch.int32, device=dev).scatter_add_(1, idx, kept.int())
+            over = taken.cumsum(0) > cap  # [m, n]
+            first = torch.where(over.any(0), over.int().argmax(0), m)  # [n]
+            j = first.argmin()
+            closes_at[j] = torch.minimum(closes_at[j], first[j])  # no host sync: a no-op once settled
+        final = torch.where(kept, idx, -1)
+        rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
+        dropped = (~kept).sum()
+        final = torch.empty_like(final).index_copy_(0, order, final)  # back to row order
+    kept = final >= 0
     chosen = scores.gather(1, final.clamp(min=0)) * kept
     weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
     return final, weights, rerouted, dropped

@@ -10,6 +10,7 @@ from k3lit.ops import aux_loss, expert_load, max_violation, quantile_bias, route
 from k3lit.ops.routing import (
     capacity_route,
     capacity_threshold_from_histogram,
+    causal_capacity_route,
     chooser_score_histogram,
     expert_counts,
     quantile_bias_from_histogram,
@@ -289,6 +290,66 @@ def test_capacity_route_with_min_score_is_per_token_and_causal(seed):
     fixed = capacity_route(scores.detach(), bias, k, 1.0)[0]
     fixed2 = capacity_route(later, bias, k, 1.0)[0]
     assert not torch.equal(fixed2[:cut], fixed[:cut])
+
+
+def _causal_capacity_loop(scores: torch.Tensor, bias: torch.Tensor, k: int, cap: int, seq_len: int) -> np.ndarray:
+    """Token by token, position-major: each token takes its first k experts of s + b that hold fewer than cap."""
+    m, n = scores.shape
+    count = [0] * n
+    idx = np.full((m, k), -1)
+    for t in range(seq_len):
+        for b in range(m // seq_len):
+            i = b * seq_len + t
+            open_ = [j for j in (scores[i] + bias).argsort(descending=True).tolist() if count[j] < cap][:k]
+            for slot, j in enumerate(open_):
+                idx[i, slot] = j
+                count[j] += 1
+    return idx
+
+
+@pytest.mark.parametrize("cf", [1.0, 1.25])
+def test_causal_capacity_route_is_the_token_by_token_admission(seed, cf):
+    B, T, n, k = 3, 60, 8, 2
+    m = B * T
+    scores = _scores(m, n, 2.0 * torch.randn(n)).double().requires_grad_(True)  # skewed: some experts fill up
+    bias = torch.randn(n, dtype=torch.float64) * 0.01
+    idx, w, rerouted, dropped = causal_capacity_route(scores, bias, k, cf, T)
+    cap = int(np.ceil(cf * m * k / n))
+    ref = _causal_capacity_loop(scores.detach(), bias, k, cap, T)
+    np.testing.assert_array_equal(np.sort(idx.numpy(), axis=1), np.sort(ref, axis=1))
+    assert int(expert_counts(idx[idx >= 0], n).max()) <= cap
+    top = (scores.detach() + bias).topk(k, dim=-1).indices
+    want_rerouted = sum(int(j) not in top[i].tolist() for i in range(m) for j in idx[i] if j >= 0)
+    assert (int(rerouted), int(dropped)) == (want_rerouted, int((idx < 0).sum())) and want_rerouted > 0
+    kept = idx >= 0
+    s_sel = scores.detach().gather(1, idx.clamp(min=0)) * kept
+    torch.testing.assert_close(w.detach(), s_sel / s_sel.sum(-1, keepdim=True).clamp_min(1e-300))
+    (w * torch.randn(m, k, dtype=torch.float64)).sum().backward()
+    assert scores.grad.abs().sum() > 0
+
+
+def test_causal_capacity_route_ignores_later_positions(seed):
+    """New scores at positions >= 30 of one sequence leave every token before position 30 (of every sequence)
+    routed as it was; the count limit of :func:`capacity_route` over the same tokens does not."""
+    B, T, n, k = 4, 64, 8, 2
+    scores = _scores(B * T, n, 2.0 * torch.randn(n))
+    bias = torch.zeros(n)
+    later = scores.clone().view(B, T, n)
+    later[1, 30:] = _scores(T - 30, n, 3.0 * torch.randn(n))
+    later = later.view(B * T, n)
+    idx = causal_capacity_route(scores, bias, k, 1.0, T)[0].view(B, T, k)
+    idx2 = causal_capacity_route(later, bias, k, 1.0, T)[0].view(B, T, k)
+    assert torch.equal(idx2[:, :30], idx[:, :30]) and not torch.equal(idx2[:, 30:], idx[:, 30:])
+    fixed = capacity_route(scores, bias, k, 1.0)[0].view(B, T, k)
+    fixed2 = capacity_route(later, bias, k, 1.0)[0].view(B, T, k)
+    assert not torch.equal(fixed2[:, :30], fixed[:, :30])
+
+
+def test_causal_capacity_route_rejects_partial_sequences():
+    with pytest.raises(ValueError, match="not whole sequences of seq_len=4"):
+        causal_capacity_route(torch.rand(10, 4), torch.zeros(4), 2, 1.0, 4)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        causal_capacity_route(torch.rand(8, 4), torch.zeros(4), 2, 0.0, 4)
 
 
 def test_capacity_route_needs_a_limit():
