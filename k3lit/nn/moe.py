@@ -288,7 +288,7 @@ class MoE(nn.Module):
             expert_idx, weights, rerouted, dropped = causal_capacity_route(
                 scores, self.expert_bias, self.top_k, self.capacity_factor, T
             )
-        else:  # causal: a per-expert threshold from earlier steps, no count over this forward's tokens
+        else:  # quantile: a per-expert score threshold from earlier steps, no count over this forward's tokens
             expert_idx, weights, rerouted, dropped = capacity_route(
                 scores, self.expert_bias, self.top_k, min_score=self.capacity_threshold
             )
