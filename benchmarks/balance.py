@@ -20,8 +20,8 @@ B. ``router``: a fixed skewed synthetic router (per-expert logit offsets ~ N(0, 
 C. ``compare`` (run only with ``--only compare``): the one-step quantile against the sliding-average quantile
    (rates in ``RATES``), the sliding quantile with the quantile capacity mode (cf = 1.25), with the forward
    capacity mode (cf = 1.15, a count per forward in token order: not causal) and with the causal one (the same
-   count, tokens admitted in position order), the sign bias, the auxiliary loss and none, all on the same data,
-   seed and steps (batch 16 x 128 tokens), for each of ``--seeds``. Per balancer: train
+   count, tokens admitted in position order; cf = 1.15 and 1.1), the sign bias, the auxiliary loss and none,
+   all on the same data, seed and steps (batch 16 x 128 tokens), for each of ``--seeds``. Per balancer: train
    MaxVio_batch (every step; mean and 95th percentile over the second half, worst MoE layer), held-out
    MaxVio_global and bits per byte (50 validation batches at the end), dropped and re-routed fractions of the
    (token, expert) slots over the second half, and the mean wall time of a training step.
@@ -66,8 +66,9 @@ VARIANTS = {
                                                  "capacity_factor": 1.25, "capacity_mode": "quantile"},
     "sliding ρ = 0.1 + forward capacity 1.15 (not causal)": {"balancer": "quantile", "quantile_rate": 0.1,
                                                              "capacity_factor": 1.15, "capacity_mode": "forward"},
-    "sliding ρ = 0.1 + causal capacity 1.15": {"balancer": "quantile", "quantile_rate": 0.1,
-                                               "capacity_factor": 1.15, "capacity_mode": "causal"},
+    **{f"sliding ρ = 0.1 + causal capacity {cf}": {"balancer": "quantile", "quantile_rate": 0.1,
+                                                    "capacity_factor": cf, "capacity_mode": "causal"}
+       for cf in (1.15, 1.1)},
     "sign bias (u = 1e-3)": {"balancer": "aux_free", "bias_update_rate": 1e-3},
     "aux loss (α = 1e-2)": {"balancer": "aux_loss", "aux_loss_coef": 1e-2},
     "none": {"balancer": "none"},
