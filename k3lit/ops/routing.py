@@ -238,6 +238,14 @@ def _rank_within_groups(groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     return pos
 
 
+def _kept_slot_weights(scores: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """Gate weights of capacity routing: a token's scores normalised over its kept slots (``final >= 0``), 0 for a
+    dropped slot, all-zero for a token whose every slot was dropped. ``[m, n], [m, k] -> [m, k]``."""
+    kept = final >= 0
+    chosen = scores.gather(1, final.clamp(min=0)) * kept
+    return chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+
 def capacity_route(
     scores: torch.Tensor,
     bias: torch.Tensor,
@@ -328,9 +336,7 @@ def capacity_route(
         kept = final >= 0
         rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
         dropped = (~kept).sum()
-    chosen = scores.gather(1, final.clamp(min=0)) * kept
-    weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
-    return final, weights, rerouted, dropped
+    return final, _kept_slot_weights(scores, final), rerouted, dropped
 
 
 def causal_capacity_route(
@@ -391,10 +397,7 @@ def causal_capacity_route(
         rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
         dropped = (~kept).sum()
         final = torch.empty_like(final).index_copy_(0, order, final)  # back to row order
-    kept = final >= 0
-    chosen = scores.gather(1, final.clamp(min=0)) * kept
-    weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
-    return final, weights, rerouted, dropped
+    return final, _kept_slot_weights(scores, final), rerouted, dropped
 
 
 def chooser_score_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, bins: int) -> torch.Tensor:
