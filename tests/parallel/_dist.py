@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -37,6 +38,11 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Leave without interpreter finalisation: gloo's worker threads can still hold work objects whose destruction
+    # during shutdown aborts a rank that has already passed ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def peers_equal(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
