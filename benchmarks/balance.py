@@ -52,6 +52,7 @@ from k3lit.ops.routing import (  # noqa: E402
     quantile_bias,
     quantile_bias_from_histogram,
     required_bias_histogram,
+    route,
     sign_bias_update,
 )
 
@@ -210,8 +211,7 @@ def fitted_bias(train: list[torch.Tensor], held_out: torch.Tensor, bias: torch.T
     n = pooled.shape[1]
 
     def vio(s: torch.Tensor) -> float:
-        idx = (s + bias).topk(k, dim=-1).indices
-        return max_violation(expert_load(idx, n), k, s.shape[0]).item()
+        return max_violation(expert_load(route(s, bias, k)[0], n), k, s.shape[0]).item()
 
     return {"bias": bias, "pooled": vio(pooled), "train": sum(vio(s) for s in train) / len(train),
             "held_out": vio(held_out)}
@@ -272,16 +272,17 @@ def compare_section(run: dict) -> str:
              "| dropped | re-routed | ms / step | fitted bias: train | fitted bias: held-out |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     seeds = list(run["compare"])
+    summary = {(seed, name): compare_summary(r) for seed, by_name in run["compare"].items()
+               for name, r in by_name.items()}
     for name in run["compare"][seeds[0]]:
         for seed in seeds:
-            r = run["compare"][seed][name]
-            s = compare_summary(r)
+            r, s = run["compare"][seed][name], summary[seed, name]
             lines.append(f"| {name} | {seed} | {s['vio_mean']:.3f} | {s['vio_p95']:.3f} | "
                          + " / ".join(f"{v:.3f}" for v in r["max_vio_global"])
                          + f" | {r['val_bpb']:.4f} | {s['dropped']:.4f} | {s['rerouted']:.4f} | {s['step_ms']:.0f} | "
                          + ("– | – |" if "fitted" not in r else f"{max(f['train'] for f in r['fitted']):.3f} | "
                             + " / ".join(f"{f['held_out']:.3f}" for f in r["fitted"]) + " |"))
-    rows = [(name, compare_summary(r), r) for by_name in run["compare"].values() for name, r in by_name.items()]
+    rows = [(name, summary[seed, name], r) for seed, by_name in run["compare"].items() for name, r in by_name.items()]
     bias_only = [(name, s) for name, s, r in rows if not r["fields"].get("capacity_factor")]
     if bias_only and any("fitted" in r for _, _, r in rows):
         best = min(bias_only, key=lambda x: x[1]["vio_mean"])

@@ -383,16 +383,19 @@ def causal_capacity_route(
         top = key.topk(k, dim=-1).indices
         rank = torch.arange(m, device=dev)[:, None]
         closes_at = torch.full((n,), m, dtype=torch.long, device=dev)  # first priority rank that j refuses
-        for settled in (False,) * n + (True,):
+
+        def choose() -> tuple[torch.Tensor, torch.Tensor]:  # each token's top k among the experts open to it
             vals, idx = key.masked_fill(rank >= closes_at, -math.inf).topk(k, dim=-1)
-            kept = vals > -math.inf
-            if settled:
-                break
+            return idx, vals > -math.inf
+
+        for _ in range(n):  # each round closes at most one expert, at most once: n rounds settle all
+            idx, kept = choose()
             taken = torch.zeros(m, n, dtype=torch.int32, device=dev).scatter_add_(1, idx, kept.int())
             over = taken.cumsum(0) > cap  # [m, n]
             first = torch.where(over.any(0), over.int().argmax(0), m)  # [n]
             j = first.argmin()
             closes_at[j] = torch.minimum(closes_at[j], first[j])  # no host sync: a no-op once settled
+        idx, kept = choose()
         final = torch.where(kept, idx, -1)
         rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
         dropped = (~kept).sum()
