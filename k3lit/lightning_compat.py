@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SUPPORTED_LIGHTNING", "PRIVATE_METHODS", "check_lightning_version", "resolve_ckpt_path", "hpc_save_path",
-    "should_update_logs", "log_metrics", "throughputs", "save_last_checkpoint", "setup_distributed",
+    "should_update_logs", "accumulating", "log_metrics", "throughputs", "save_last_checkpoint", "setup_distributed",
     "set_device_mesh", "rewrite_metrics_header", "csv_writer", "set_csv_writer",
 ]
 
@@ -51,7 +52,10 @@ PRIVATE_METHODS: tuple[tuple[type, str], ...] = (
     (_CheckpointConnector, "hpc_save_path"),
     (_LoggerConnector, "should_update_logs"),
     (_LoggerConnector, "log_metrics"),
-    (ThroughputMonitor, "_compute"),  # overridden by K3ThroughputMonitor
+    (ThroughputMonitor, "_compute"),  # overridden by K3ThroughputMonitor, like the two below
+    (ThroughputMonitor, "_update"),
+    (ThroughputMonitor, "_start"),
+    (_FitLoop, "_should_accumulate"),
     (ModelCheckpoint, "_should_skip_saving_checkpoint"),
     (ModelCheckpoint, "_save_last_checkpoint"),
     (ModelCheckpoint, "_monitor_candidates"),
@@ -115,6 +119,11 @@ def save_last_checkpoint(callback: ModelCheckpoint, trainer: lightning.Trainer) 
 def should_update_logs(trainer: lightning.Trainer) -> bool:
     """Whether this step writes to the loggers (every ``log_every_n_steps`` steps, and when training stops)."""
     return trainer._logger_connector.should_update_logs
+
+
+def accumulating(trainer: lightning.Trainer) -> bool:
+    """Whether the current training batch ends inside gradient accumulation (no optimizer step after it)."""
+    return trainer.fit_loop._should_accumulate()
 
 
 def log_metrics(trainer: lightning.Trainer, metrics: dict[str, Any], step: int | None = None) -> None:

@@ -12,14 +12,17 @@ import re
 import signal
 import subprocess
 import threading
+import time
 import warnings
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from k3lit import lightning_compat as compat
@@ -30,21 +33,31 @@ __all__ = ["K3ThroughputMonitor", "LastCheckpoint", "SlurmRequeue"]
 
 
 class K3ThroughputMonitor(ThroughputMonitor):
-    """Lightning's :class:`ThroughputMonitor` fed with k3lit's FLOPs count and token lengths.
+    """Lightning's :class:`ThroughputMonitor` fed with k3lit's FLOPs count and token lengths, timing training
+    without a host sync per step.
 
-    Logged (rank zero, every ``log_every_n_steps``, rolling over ``window_size`` steps), with Lightning's
-    names: ``train/device/items_per_sec`` = tokens/s per device (``train/items_per_sec`` all devices, when
-    several), ``train/device/flops_per_sec`` and ``train/device/mfu`` = model FLOPs / dense peak
-    (:func:`peak_flops`; not logged where the peak is unknown, e.g. on CPUs), and the same for validation.
-    FLOPs per batch come from :func:`k3lit.train.flops.training_flops` (see that module for the formula)
-    for the shape of each batch ``[B, T + 1]``.
+    Logged (rank zero, on the steps that write logs: every ``log_every_n_steps``), with Lightning's names:
+    ``train/device/items_per_sec`` = tokens/s per device (``train/items_per_sec`` all devices, when several),
+    ``train/device/flops_per_sec`` and ``train/device/mfu`` = model FLOPs / dense peak (:func:`peak_flops`; not
+    logged where the peak is unknown, e.g. on CPUs), and the same for validation. FLOPs per batch come from
+    :func:`k3lit.train.flops.training_flops` (see that module for the formula) for the shape of each batch
+    ``[B, T + 1]``.
+
+    Lightning's monitor synchronises the device after every batch to read its clock, which keeps the host from
+    queueing the next step while the device works. Here training batches are only counted on the host; the device
+    is synchronised and the clock read on the steps that write logs (where Lightning turns the logged values into
+    numbers, a sync anyway), so the rates cover whole logging intervals. Validation is timed per batch, as
+    Lightning does, and its wall time (from its start to its end, both synchronised) is left out of the training
+    rates.
 
     Args:
-        window_size: steps in the rolling average (the first ``window_size`` steps log nothing).
+        window_size: logging steps in the rolling average: the figures cover the optimizer steps between the
+            oldest and the newest of the last ``window_size`` logging steps (2, the least: the last interval of
+            ``log_every_n_steps``); nothing is logged before ``window_size`` logging steps have passed.
         available_flops: override the per-device peak FLOP/s used for MFU.
     """
 
-    def __init__(self, window_size: int = 20, available_flops: float | None = None) -> None:
+    def __init__(self, window_size: int = 2, available_flops: float | None = None) -> None:
         super().__init__(
             batch_size_fn=lambda b: b.shape[0],
             length_fn=lambda b: b.shape[0] * (b.shape[1] - 1),
@@ -53,7 +66,34 @@ class K3ThroughputMonitor(ThroughputMonitor):
         self.window_size = window_size
         self._override_flops = available_flops
         self._flops_cache: dict[tuple[int, int], float] = {}
+        self._flops_since: dict[RunningStage, float] = {}  # FLOPs since the stage's last recorded time
+        self._val_started: float | None = None
         self.last_metrics: dict[str, float] = {}  # what was last logged, for ProgressLines and RunSummary
+
+    @override
+    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
+        """Count ``batch``; on a logging step of training, and after every other stage's batch, synchronise the
+        device and record the elapsed time with the counts (a private hook of Lightning's monitor: see
+        :mod:`k3lit.lightning_compat`)."""
+        stage = trainer.state.stage
+        self._lengths[stage] += self.length_fn(batch)
+        self._samples[stage] += self.batch_size_fn(batch)
+        self._batches[stage] += 1
+        self._flops_since[stage] = self._flops_since.get(stage, 0.0) + pl_module.flops_per_batch
+        if stage == RunningStage.TRAINING and not (compat.should_update_logs(trainer)
+                                                   and not compat.accumulating(trainer)):
+            return
+        compat.throughputs(self)[stage].update(
+            time=self._clock(trainer) - self._t0s[stage], batches=self._batches[stage],
+            samples=self._samples[stage], lengths=self._lengths[stage], flops=self._flops_since[stage])
+        self._flops_since[stage] = 0.0
+
+    @staticmethod
+    def _clock(trainer: L.Trainer) -> float:
+        """Host seconds once the device has finished the work queued so far."""
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     @override
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
@@ -77,6 +117,11 @@ class K3ThroughputMonitor(ThroughputMonitor):
         for throughput in compat.throughputs(self).values():
             throughput.available_flops = peak
 
+    @override
+    def _start(self, trainer: L.Trainer) -> None:
+        super()._start(trainer)
+        self._flops_since[trainer.state.stage] = 0.0
+
     def _set_flops(self, pl_module: L.LightningModule, batch: Any) -> None:
         shape = (int(batch.shape[0]), int(batch.shape[1]) - 1)
         if shape not in self._flops_cache:
@@ -93,6 +138,23 @@ class K3ThroughputMonitor(ThroughputMonitor):
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                   *_: Any, **__: Any) -> None:
         self._set_flops(pl_module, batch)
+
+    @override
+    @rank_zero_only
+    def on_validation_start(self, trainer: L.Trainer, *_: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        self._val_started = self._clock(trainer) if trainer.state.fn == TrainerFn.FITTING else None
+        self._start(trainer)
+
+    @override
+    @rank_zero_only
+    def on_validation_end(self, trainer: L.Trainer, *_: Any) -> None:
+        """Leave the validation's wall time out of the training clock."""
+        if trainer.sanity_checking or self._val_started is None:
+            return
+        self._t0s[RunningStage.TRAINING] += self._clock(trainer) - self._val_started
+        self._val_started = None
 
 
 class SlurmRequeue(Callback):

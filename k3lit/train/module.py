@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -65,6 +66,7 @@ class K3LitModule(L.LightningModule):
         with torch.device("meta") if empty_init else nullcontext():
             self.model = K3LM(model)
         self.val_loss = MeanMetric()
+        self.warmup_end_s: float | None = None  # the run's elapsed seconds when warm-up ended (max_time schedule)
         n_moe = len(self.model.moe_layers())
         if n_moe:
             self.train_load = ExpertLoad(n_moe, model.n_experts, model.top_k)
@@ -229,5 +231,29 @@ class K3LitModule(L.LightningModule):
         # step) does not allow
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         fused = scaler is None or not self.trainer.gradient_clip_val
-        opt, sched = self.optim_config.build(self.model, int(self.trainer.estimated_stepping_batches), fused=fused)
+        opt, sched = self.optim_config.build(self.model, float(self.trainer.estimated_stepping_batches), fused=fused,
+                                             time_progress=self._time_progress)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _time_progress(self, step: int) -> float:
+        """The part of ``trainer.max_time`` after warm-up spent after ``step`` optimizer steps, in [0, 1]:
+        ``(t - t_w) / (T - t_w)`` of the run's elapsed time t (Lightning's ``Timer``: the whole run, resumes and
+        validation included), its budget T and the elapsed time t_w when warm-up ended; 0 during warm-up, before
+        training starts and without a time limit."""
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None) if self._trainer else None
+        remaining = timer.time_remaining() if timer is not None else None
+        if remaining is None or step < self.optim_config.warmup_steps or self.trainer.state.fn != "fit":
+            return 0.0
+        elapsed = timer.time_elapsed()
+        if self.warmup_end_s is None:
+            self.warmup_end_s = elapsed
+        budget = elapsed + remaining - self.warmup_end_s
+        return min(max((elapsed - self.warmup_end_s) / budget, 0.0), 1.0) if budget > 0 else 1.0
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["k3lit_warmup_end_s"] = self.warmup_end_s
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.warmup_end_s = checkpoint.get("k3lit_warmup_end_s")

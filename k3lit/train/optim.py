@@ -1,9 +1,10 @@
 """Optimizer and learning-rate schedule settings: AdamW, or Muon on the hidden matrices with AdamW on the rest;
-linear warmup and cosine decay for both."""
+linear warmup and cosine decay for both, ending with the run's step limit or its time budget."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,18 +57,29 @@ class OptimConfig:
         if not 1 <= self.ns_steps < 100:
             raise ValueError(f"OptimConfig.ns_steps={self.ns_steps}: must lie in [1, 99]")
 
-    def lr_factor(self, step: int, total_steps: int) -> float:
-        """Multiplier of ``lr`` at optimizer step ``step`` of ``total_steps``: linear warmup, cosine decay."""
+    def lr_factor(self, step: int, total_steps: float, time_progress: float = 0.0) -> float:
+        """Multiplier of ``lr`` after ``step`` optimizer steps: linear warmup over ``warmup_steps``, then a cosine
+        from 1 to ``min_lr_ratio`` whose progress is the larger of the steps' and the clock's,
+
+            p = min(1, max((step - warmup_steps) / (total_steps - warmup_steps), time_progress)),
+            factor = min_lr_ratio + (1 - min_lr_ratio) (1 + cos(pi p)) / 2,
+
+        so the decay ends with whichever limit ends the run first: ``total_steps`` (may be ``inf``: no step limit)
+        or a time budget, of which ``time_progress`` in [0, 1] is the part after warm-up spent so far (0 without
+        one)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         span = max(total_steps - self.warmup_steps, 1)
-        progress = min((step - self.warmup_steps) / span, 1.0)
+        progress = min(max((step - self.warmup_steps) / span, time_progress), 1.0)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def build(
-        self, model: nn.Module, total_steps: int, fused: bool = True
+        self, model: nn.Module, total_steps: float, fused: bool = True,
+        time_progress: Callable[[int], float] | None = None,
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        """The optimizer over ``model`` and its step-wise schedule (one schedule for every parameter group).
+        """The optimizer over ``model`` and its step-wise schedule (one schedule for every parameter group):
+        :meth:`lr_factor` of ``total_steps`` (``inf``: no step limit) and, where given, of the clock's progress
+        ``time_progress(step)``.
 
         ``adamw``: AdamW, decay only on parameters with >= 2 dims. ``muon``: :class:`MuonAdamW`, the matrices of
         :func:`muon_matrices` by Muon (with decay), the other parameters by AdamW as under ``adamw``.
@@ -96,7 +108,8 @@ class OptimConfig:
                            for (dim, sizes), ps in layouts.items()]
             opt = MuonAdamW(adamw_groups, muon_groups, weight_decay=self.weight_decay, momentum=self.momentum,
                             ns_steps=self.ns_steps, **adamw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps))
+        clock = time_progress or (lambda step: 0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps, clock(s)))
         return opt, sched
 
     def apply(self, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR) -> None:

@@ -156,7 +156,7 @@ class ProgressLines(ProgressBar):
     progress bar prints nothing useful.
 
     A Lightning ``ProgressBar``, so the trainer adds no tqdm bar beside it. The tok/s figure is the latest that a
-    :class:`~k3lit.train.callbacks.K3ThroughputMonitor` computed (none in the first ``window_size`` steps); the
+    :class:`~k3lit.train.callbacks.K3ThroughputMonitor` computed (none before its ``window_size``-th logging step); the
     monitor must come before this callback in ``trainer.callbacks`` to report the same step (K3CLI orders them
     so), else it is one line old. The time left is :func:`run_horizon`'s at this run's :class:`StepPace`.
 

@@ -195,7 +195,7 @@ class RunSummary(Callback):
             return None
         mfu = monitor.last_metrics.get("train/device/mfu")
         return (f"{float(tps):,.0f} tokens/s per device" + ("" if mfu is None else f", MFU {100 * float(mfu):.1f}%")
-                + f" (the last {monitor.window_size} steps logged)")
+                + f" (the last {(monitor.window_size - 1) * trainer.log_every_n_steps} steps)")
 
     def _mfu(self, trainer: L.Trainer, train_seconds: float) -> str:
         monitor = next((m for m in trainer.callbacks if isinstance(m, K3ThroughputMonitor)), None)

@@ -91,7 +91,7 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     mfu = re.fullmatch(r"([\d.]+)% \(of 0.001 TFLOP/s per device\)", rows["MFU"])  # the monitor's 1e9 FLOP/s
     flops_per_token = training_flops_per_token(cli.model.model_config, 32)
     assert mfu and float(mfu.group(1)) == pytest.approx(100 * tokens_per_s * flops_per_token / 1e9, rel=0.02, abs=0.06)
-    recent = re.fullmatch(r"([\d,]+) tokens/s per device, MFU ([\d.]+)% \(the last 2 steps logged\)",
+    recent = re.fullmatch(r"([\d,]+) tokens/s per device, MFU ([\d.]+)% \(the last 2 steps\)",
                           rows["recent rate"])
     assert recent, rows["recent rate"]
     recent_tps = float(recent.group(1).replace(",", ""))

@@ -1,15 +1,22 @@
-"""K3ThroughputMonitor takes the dense peak of Hopper GPUs from k3lit's table, without Lightning's 'FLOPs not found'."""
+"""K3ThroughputMonitor: the dense peak of Hopper GPUs from k3lit's table, without Lightning's 'FLOPs not found';
+training timed without a device sync per step."""
 
+import csv
+import time
 import warnings
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
+from k3lit.model import ModelConfig
 from k3lit.train.callbacks import K3ThroughputMonitor
 from k3lit.train.flops import compute_dtype
+from k3lit.train.module import K3LitModule
 
 
 def fake_trainer(precision: str) -> SimpleNamespace:
@@ -42,3 +49,44 @@ def test_an_unknown_gpu_is_still_reported_once(monkeypatch):
                                              ("32-true", torch.float32), ("64-true", torch.float64)])
 def test_compute_dtype_of_lightning_precisions(precision, dtype):
     assert compute_dtype(precision) == dtype
+
+
+class SlowValidation(K3LitModule):
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        time.sleep(0.5)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_training_is_timed_on_logging_steps_only_and_without_validation(tmp_path, monkeypatch):
+    """The clock (a device sync on GPUs) is read after the optimizer steps that write logs, never inside gradient
+    accumulation; the rates cover whole logging intervals; validation's wall time is not training time."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=32,
+                      n_experts=4, top_k=2, expert_dim=16, first_dense_layers=1, attnres_block_size=2)
+    clocks: list[tuple[str, int]] = []
+    clock = K3ThroughputMonitor._clock
+
+    def counted(trainer):  # noqa: ANN001, ANN202
+        clocks.append((trainer.state.stage.value, trainer.global_step))
+        return clock(trainer)
+
+    monkeypatch.setattr(K3ThroughputMonitor, "_clock", staticmethod(counted))
+    batch, seq = 2, 16
+    data = torch.randint(0, cfg.vocab_size, (48, seq + 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, accumulate_grad_batches=2, log_every_n_steps=4,
+                        val_check_interval=20, limit_val_batches=2, check_val_every_n_epoch=None,
+                        logger=CSVLogger(tmp_path, name="", version=""), callbacks=[K3ThroughputMonitor()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(SlowValidation(cfg), loader, loader)
+    train = [s for stage, s in clocks if stage == "train"]
+    assert train == [4, 8, 12], clocks  # after optimizer steps 4, 8 and 12 (batches 8, 16, 24): none in between
+    assert sum(stage == "validate" for stage, _ in clocks) == 2 + 2  # its start and end, and each of its batches
+    with open(tmp_path / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/time")]
+    assert [int(r["step"]) for r in rows] == [3, 7, 11]
+    # window_size 2: the last logged rate covers steps 9-12 alone, which the validation after batch 20 (step 10)
+    # interrupted for 2 x 0.5 s
+    last = rows[-1]
+    elapsed = float(last["train/time"]) - float(rows[-2]["train/time"])
+    assert float(last["train/device/items_per_sec"]) == pytest.approx(4 * 2 * batch * seq / elapsed)
+    assert elapsed < 1.0
