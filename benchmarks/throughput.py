@@ -61,11 +61,12 @@ def plain_baseline(c: ModelConfig) -> ModelConfig:
 ROWS = ("recipe", "dense", "attention", "plain_residual", "no_balancer", "plain", "litgpt")
 
 
-def rows(c: ModelConfig, stem: str, names: list[str]) -> dict[str, ModelConfig | str]:
+def rows(c: ModelConfig, stem: str, names: list[str], plain: ModelConfig | None = None
+         ) -> dict[str, ModelConfig | str]:
     """The models to time, by row name: the recipe, four one-change ablations of it (dense SwiGLU of the same
     active width instead of the MoE; softmax attention in every layer; the plain residual; no balancer), the
-    plain transformer of :func:`plain_baseline`, and litgpt's ``GPT`` with the SmolLM2-135M config (the string
-    ``"litgpt"``: built by :func:`build_litgpt`)."""
+    plain transformer (``plain``, e.g. a recipe's; default :func:`plain_baseline`), and litgpt's ``GPT`` with the
+    SmolLM2-135M config (the string ``"litgpt"``: built by :func:`build_litgpt`)."""
     dense = dataclasses.replace(c, n_experts=0, first_dense_layers=0,
                                 mlp_hidden=plain_baseline(dataclasses.replace(c, layer_pattern="K")).mlp_hidden)
     table = {
@@ -74,7 +75,9 @@ def rows(c: ModelConfig, stem: str, names: list[str]) -> dict[str, ModelConfig |
         "attention": ("same, softmax attention in every layer", dataclasses.replace(c, layer_pattern="A")),
         "plain_residual": ("same, plain residual", dataclasses.replace(c, residual="plain")),
         "no_balancer": ("same, balancer none", dataclasses.replace(c, balancer="none")),
-        "plain": ("plain transformer of the same active size (A, dense SwiGLU, plain residual)", plain_baseline(c)),
+        "plain": ("plain transformer of the same active size (A, dense SwiGLU, plain residual"
+                  + (", rotary embeddings)" if plain is not None and plain.rope_theta else ")"),
+                  plain or plain_baseline(c)),
         "litgpt": ("litgpt `GPT`, SmolLM2-135M config", "litgpt"),
     }
     unknown = set(names) - set(table)
@@ -270,6 +273,7 @@ def main() -> None:
     p.add_argument("--kda_backend", help="override model.kda_backend (auto = Triton on CUDA)")
     p.add_argument("--compile", default="none", help=f"comma-separated, each of {COMPILE}: every row with each")
     p.add_argument("--rows", default="recipe,plain", help=f"comma-separated, each of {ROWS}")
+    p.add_argument("--plain_recipe", help="the plain row's model from this recipe (default: plain_baseline)")
     p.add_argument("--extra_recipe", nargs="*", default=[], help="more recipes, each timed at its own batch")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the raw results here")
@@ -289,7 +293,8 @@ def main() -> None:
     result = {"recipe": a.recipe, "batch": batch, "seq": seq, "steps": a.steps, "warmup": a.warmup,
               "kda_backend": cfg.kda_backend, "env": versions(), "command": " ".join(["python", *sys.argv]),
               "rows": {}, "note": a.note}
-    jobs = [(name, c, batch, seq) for name, c in rows(cfg, Path(a.recipe).stem, a.rows.split(",")).items()]
+    plain = recipe_config(Path(a.plain_recipe), cfg.vocab_size)[0] if a.plain_recipe else None
+    jobs = [(name, c, batch, seq) for name, c in rows(cfg, Path(a.recipe).stem, a.rows.split(","), plain).items()]
     for extra in a.extra_recipe:
         c, d = recipe_config(Path(extra), None)
         jobs.append((f"k3lit `{Path(extra).stem}` ({c.layer_pattern}, MoE {c.n_experts}x top-{c.top_k}, {c.residual}; "

@@ -4,6 +4,7 @@
       steps          1000
       tokens         4,096,000 (this run)
       wall time      0:09:00 (validation 0:00:29)
+      first step     2.1 s after training started (compilation included)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
       recent rate    7,950 tokens/s per device (the last 20 steps logged)
@@ -32,6 +33,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -51,7 +53,8 @@ __all__ = ["RunSummary"]
 
 
 class RunSummary(Callback):
-    """Print, when ``fit`` ends, the steps and tokens trained, wall time, tokens/s, MFU (where the device's peak is
+    """Print, when ``fit`` ends, the steps and tokens trained, wall time, the first optimizer step's time (start-up:
+    compilation, the first batch), tokens/s, MFU (where the device's peak is
     known), the last validation's ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and
     the checkpoint, plots and logs with the command that samples from the checkpoint.
 
@@ -82,6 +85,7 @@ class RunSummary(Callback):
         self._val_start: float | None = None
         self._val_blocks = 0
         self._val_step: int | None = None
+        self._first_step_s: float | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -91,6 +95,10 @@ class RunSummary(Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._first_step_s is None and trainer.global_step > self._start_step:  # the first optimizer step
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.synchronize()  # once: the device has finished the step too
+            self._first_step_s = time.monotonic() - self._start
         shape = (int(batch.shape[0]), int(batch.shape[1]) - 1)  # [B, T + 1] blocks: T tokens predicted each
         self._tokens += shape[0] * shape[1]
         config = getattr(pl_module, "model_config", None)
@@ -162,6 +170,8 @@ class RunSummary(Callback):
             ("steps", steps),
             ("tokens", f"{self._tokens * world:,} (this run)"),
             ("wall time", f"{clock(wall)} (validation {clock(self._val_seconds)})"),
+            ("first step", "none" if self._first_step_s is None else
+             f"{self._first_step_s:.1f} s after training started (compilation included)"),
             ("tokens/s", f"{self._tokens * world / train_seconds:,.0f} (all devices, validation excluded)"),
             ("MFU", self._mfu(trainer, train_seconds)),
         ]

@@ -23,8 +23,8 @@ TINY = [
     "--data.batch_size=2", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=2",
     "--trainer.enable_model_summary=false",
 ]
-SUMMARY_FIELDS = ("steps", "tokens", "wall time", "tokens/s", "MFU", "held-out bpb", "same bytes", "MaxVio_global",
-                  "checkpoint", "plots", "metrics", "sample")
+SUMMARY_FIELDS = ("steps", "tokens", "wall time", "first step", "tokens/s", "MFU", "held-out bpb", "same bytes",
+                  "MaxVio_global", "checkpoint", "plots", "metrics", "sample")
 
 
 def fit_args(root: Path, cache: str, steps: int, every: int) -> list[str]:
@@ -48,6 +48,7 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     fields = dict(re.findall(r"^  (\S[\w/ -]*?)\s{2,}(.+)$", block, re.M))
     assert all(f in fields for f in SUMMARY_FIELDS), fields
     assert fields["steps"] == "6" and fields["tokens"] == f"{6 * 2 * 32:,} (this run)"
+    assert re.fullmatch(r"[\d.]+ s after training started \(compilation included\)", fields["first step"])
     assert re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the split's 1 bytes/token\)", fields["held-out bpb"])
     same = re.fullmatch(r"model ([\d.]+) · gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the 4 validation blocks "
                         r"\(([\d,]+) bytes, ([\d.]+) bytes/token\)", fields["same bytes"])
@@ -84,7 +85,7 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     assert {s for s, _ in frames} <= {"1", "2", "3", "4"}
     assert "k3lit fit: max_steps reached at step 4" in text
     assert all(f"{label} " in text for label, _ in summary.rows)
-    assert [label for label, _ in summary.rows] == [*SUMMARY_FIELDS[:5], "recent rate", *SUMMARY_FIELDS[5:]]
+    assert [label for label, _ in summary.rows] == [*SUMMARY_FIELDS[:6], "recent rate", *SUMMARY_FIELDS[6:]]
     rows = dict(summary.rows)
     assert rows["tokens"] == f"{4 * 2 * 2 * 32:,} (this run)"  # 4 steps of 2 micro-batches of [2, 32]
     tokens_per_s = float(rows["tokens/s"].split()[0].replace(",", ""))
