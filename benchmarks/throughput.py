@@ -86,20 +86,21 @@ def rows(c: ModelConfig, stem: str, names: list[str], plain: ModelConfig | None 
     return dict(table[n] for n in names)
 
 
-COMPILE = ("none", "sublayers", "model")
+COMPILE = ("none", "sublayers", "model", "cudagraphs")
 
 
 def build_model(c: ModelConfig, device: str, compile_: str | bool) -> K3LM:
     """``K3LM(c)`` from seed 0 on ``device``; ``compile_``: ``none`` (or False), ``sublayers`` (or True: every
-    sublayer ``torch.compile``'d) or ``model`` (the whole model as one ``torch.compile`` region)."""
+    sublayer ``torch.compile``'d), ``model`` (the whole model as one ``torch.compile`` region) or ``cudagraphs``
+    (the same with ``mode="reduce-overhead"``: forward and backward replayed as CUDA graphs)."""
     torch.manual_seed(0)
     model = K3LM(c).to(device)
     mode = {False: "none", True: "sublayers"}.get(compile_, compile_)
     if mode == "sublayers":
         for sub in model.sublayers:
             sub.compile()
-    elif mode == "model":
-        model.compile()
+    elif mode in ("model", "cudagraphs"):
+        model.compile(mode="reduce-overhead" if mode == "cudagraphs" else None)
     return model
 
 
@@ -112,8 +113,8 @@ def build_litgpt(device: str, compile_: str, seq: int) -> tuple[torch.nn.Module,
     cfg = Config.from_name("SmolLM2-135M", block_size=seq)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    if compile_ == "model":
-        model.compile()
+    if compile_ in ("model", "cudagraphs"):
+        model.compile(mode="reduce-overhead" if compile_ == "cudagraphs" else None)
     elif compile_ == "sublayers":
         for block in model.transformer.h:
             block.compile()
@@ -238,7 +239,8 @@ def table(result: dict) -> str:
         f"{result['seq']} tokens of the recipe `{result['recipe']}` (other recipes: their own batch), bf16 autocast "
         "with float32 weights (= `precision: bf16-mixed`), fused AdamW, clipping, balancer update, synthetic tokens, "
         f"{result['steps']} timed steps after {result['warmup']} warm-up steps. compile: `none` eager, `sublayers` "
-        "`torch.compile` per sublayer (`k3lit fit --compile=true`), `model` the whole model as one region. MFU = "
+        "`torch.compile` per sublayer, `model` the whole model as one region (`k3lit fit`'s default on one GPU), "
+        "`cudagraphs` the same with CUDA graphs (`--compile_mode=reduce-overhead`). MFU = "
         "model FLOPs (`k3lit/train/flops.py`) / dense bf16 peak (989.4 TFLOP/s).",
         "",
         "| model | params (M) | active (M) | GFLOP/token | " + " | ".join(f"ms/step {m} | MFU {m}" for m in modes)

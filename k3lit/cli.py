@@ -109,6 +109,9 @@ class K3CLI(LightningCLI):
         parser.add_argument("--compile", type=bool | None, default=None,
                             help="torch.compile the whole model (each sublayer under FSDP2); default: on for one "
                                  "CUDA device without a sharding strategy, off otherwise")
+        parser.add_argument("--compile_mode", type=str | None, default=None,
+                            help="torch.compile's mode for the whole model on one device, e.g. 'reduce-overhead' "
+                                 "(CUDA graphs: the host launches each step's forward and backward as two graphs)")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")
@@ -144,6 +147,7 @@ class K3CLI(LightningCLI):
         # A sharding strategy gets a meta-device model: each rank materialises only its shards (configure_model)
         self.model = K3LitModule(model_cfg, self._value(self.config_init, "optim"),
                                  compile=self._value(self.config_init, "compile"),
+                                 compile_mode=self._value(self.config_init, "compile_mode"),
                                  empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy))
 
     def _parse_ckpt_path(self) -> None:
@@ -235,7 +239,8 @@ def prepare_main(argv: list[str]) -> None:
     parser.add_class_arguments(K3DataModule, "data")
     for group in ("model", "optim", "trainer"):
         parser.add_argument(f"--{group}", type=dict, default={}, help="ignored (recipes carry it for fit)")
-    parser.add_argument("--seed_everything", type=int | bool | None, default=None, help="ignored (used by fit)")
+    for key in ("seed_everything", "compile", "compile_mode", "float32_matmul_precision"):
+        parser.add_argument(f"--{key}", type=int | bool | str | None, default=None, help="ignored (used by fit)")
     cfg = _instantiate(parser, parser.parse_args(argv))
     dm: K3DataModule = cfg.data
     dm.prepare_data()

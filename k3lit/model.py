@@ -249,6 +249,7 @@ class K3LM(nn.Module):
                 channel = SwiGLU(c.dim, c.mlp_hidden)
             sublayers += [Sublayer(mixer, c.dim, c.norm_eps, attn_res), Sublayer(channel, c.dim, c.norm_eps, attn_res)]
         self.sublayers = nn.ModuleList(sublayers)
+        self._moe_layers: list[MoE] | None = None
         self.final_res_mixer = AttnResMixer(c.dim, c.norm_eps) if attn_res else None
         self.norm = RMSNorm(c.dim, eps=c.norm_eps)
         self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
@@ -310,8 +311,10 @@ class K3LM(nn.Module):
         super().compile(*args, **kwargs)
 
     def moe_layers(self) -> list[MoE]:
-        """The MoE modules in depth order."""
-        return [m for m in self.modules() if isinstance(m, MoE)]
+        """The MoE modules in depth order (found once: the training step asks several times)."""
+        if self._moe_layers is None:
+            self._moe_layers = [m for m in self.modules() if isinstance(m, MoE)]
+        return self._moe_layers
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary balancing losses of the latest forward (``aux_loss`` balancer), else None."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from k3lit import lightning_compat as compat
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import MoE
 from k3lit.train.metrics import ExpertLoad
@@ -27,7 +29,8 @@ class K3LitModule(L.LightningModule):
     """Trains a :class:`K3LM` on ``[B, T + 1]`` int64 token batches (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
     Logs ``train/loss`` (nats per token), ``val/loss`` and ``val/bpb`` (bits per UTF-8 byte of the held-out
-    text, so runs with different tokenizers compare), and per MoE layer ``i``: ``train/max_vio/layer{i}``
+    text, so runs with different tokenizers compare) with ``val/elapsed_s`` (seconds since training started, as
+    ``trainer.max_time`` counts them), and per MoE layer ``i``: ``train/max_vio/layer{i}``
     (MaxVio of each training batch), ``val/max_vio/layer{i}`` (MaxVio_global over the validation pass) and
     ``val/expert_frac/layer{i}/e{j}`` (token fraction per expert), ``train/router_entropy/layer{i}`` and, in
     capacity mode, ``train/drop_rate/layer{i}`` and ``train/reroute_rate/layer{i}``. Train MoE metrics are
@@ -46,6 +49,9 @@ class K3LitModule(L.LightningModule):
             (KDA, the short convolution and AttnRes are custom ops inside it), every sublayer under a sharding
             strategy (FSDP2 hooks sit between sublayers, as in torchtitan). None (default): on for one CUDA device
             without a sharding strategy, where it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
+        compile_mode: ``torch.compile``'s ``mode`` for the whole-model graph (None: its default), e.g.
+            ``reduce-overhead``: CUDA graphs, so that the host launches a step's forward and backward as two graph
+            replays instead of thousands of kernels (the step's shapes are static).
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
@@ -56,16 +62,19 @@ class K3LitModule(L.LightningModule):
         model: ModelConfig,
         optim: OptimConfig | None = None,
         compile: bool | None = None,
+        compile_mode: str | None = None,
         empty_init: bool = False,
     ) -> None:
         super().__init__()
         self.compile_model = compile
+        self.compile_mode = compile_mode
         self.save_hyperparameters(ignore=["empty_init"])
         self.model_config = model
         self.optim_config = optim or OptimConfig()
         with torch.device("meta") if empty_init else nullcontext():
             self.model = K3LM(model)
         self.val_loss = MeanMetric()
+        self._train_started = time.monotonic()
         self.warmup_end_s: float | None = None  # the run's elapsed seconds when warm-up ended (max_time schedule)
         n_moe = len(self.model.moe_layers())
         if n_moe:
@@ -92,7 +101,7 @@ class K3LitModule(L.LightningModule):
         device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
         if self.compiles() and not getattr(self, "_compiled", False):
             if self.device_mesh is None:
-                self.model.compile()
+                self.model.compile(mode=self.compile_mode)
             else:
                 for sub in self.model.sublayers:
                     sub.compile()
@@ -144,6 +153,7 @@ class K3LitModule(L.LightningModule):
     @override
     def on_train_start(self) -> None:
         """A run resumed from a checkpoint trains with its own ``optim`` settings, not the restored ones."""
+        self._train_started = time.monotonic()
         if self.trainer.ckpt_path:
             self.optim_config.apply(self.trainer.optimizers[0], self.trainer.lr_scheduler_configs[0].scheduler)
 
@@ -160,7 +170,9 @@ class K3LitModule(L.LightningModule):
             stats = self.train_load.compute()
             self.train_load.reset()
             self.last_expert_fraction = stats["fraction"].detach()  # [L_moe, n] on the device, for ExpertLoadPlots
-            for i in range(len(stats["max_vio"])):
+            # Lightning writes only the logging steps' values of on-step metrics; each self.log call costs the host
+            # about half a millisecond, so the other steps log nothing
+            for i in range(len(stats["max_vio"]) if compat.should_update_logs(self.trainer) else 0):
                 self.log(f"train/max_vio/layer{i}", stats["max_vio"][i])
                 self.log(f"train/router_entropy/layer{i}", stats["entropy"][i])
                 if self.model_config.capacity_factor is not None:
@@ -213,6 +225,8 @@ class K3LitModule(L.LightningModule):
         loss = self.val_loss.compute()  # token-weighted mean over the whole pass, synced across ranks
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # seconds into the run: held-out loss against wall-clock
+            self.log("val/elapsed_s", self._elapsed_s())
         bytes_per_token = getattr(getattr(self.trainer, "datamodule", None), "val_bytes_per_token", None)
         if bytes_per_token:
             self.log("val/bpb", loss / (math.log(2) * bytes_per_token), prog_bar=True)
@@ -249,6 +263,12 @@ class K3LitModule(L.LightningModule):
             self.warmup_end_s = elapsed
         budget = elapsed + remaining - self.warmup_end_s
         return min(max((elapsed - self.warmup_end_s) / budget, 0.0), 1.0) if budget > 0 else 1.0
+
+    def _elapsed_s(self) -> float:
+        """Seconds since training started: Lightning's ``Timer`` (resumes included) under ``max_time``, else this
+        process's training time."""
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        return timer.time_elapsed() if timer is not None else time.monotonic() - self._train_started
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,226 @@
+"""The race: recipes trained for the same wall-clock time on one GPU, then held out on the same bytes.
+
+    python benchmarks/race.py --minutes 6 --seeds 1234 1235 --json benchmarks/race_h200.json    # on the GPU
+    python benchmarks/race.py --from_json benchmarks/race_h200.json     # RESULTS.md section and PNG only
+
+Each run is a fresh ``k3lit fit`` process of a recipe as shipped, with ``trainer.max_time`` the budget and no step
+limit, so its learning-rate schedule (warm-up, then the cosine) ends when the time does
+(:meth:`k3lit.train.optim.OptimConfig.lr_factor`). The budget is Lightning's clock: from the start of training
+(the corpus is prepared before the first run, the model built), compilation and validation included. Every
+``--val_every`` seconds a validation reads the held-out split's first ``--val_batches`` batches (``val/bpb``
+against ``val/elapsed_s`` gives the curve); at the end ``k3lit validate`` reads the first ``--final_batches``
+batches with the last weights. Both recipes must share the data section's corpus and tokenizer, so the held-out
+blocks are the same bytes; gzip and xz are measured on those bytes too (:mod:`k3lit.train.reference_bpb`).
+
+Writes the raw runs (``--json``), a PNG of held-out bits per byte against seconds (``--png``, default beside the
+JSON) and RESULTS.md's section "Race at equal wall-clock (<GPU>)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results import command, versions, write_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def k3lit(*args: str, log: Path) -> None:
+    """Run ``python -m k3lit.cli args`` from the repository root, output to ``log``.
+
+    Raises:
+        RuntimeError: the command failed (its log's last lines in the message).
+    """
+    with open(log, "w") as out:
+        rc = subprocess.run([sys.executable, "-m", "k3lit.cli", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+                            ).returncode
+    if rc:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"k3lit {args[0]} failed ({rc}); the end of {log}:\n{tail}")
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def curve(rows: list[dict[str, str]]) -> list[tuple[float, int, float]]:
+    """``(seconds, step, val/bpb)`` of every validation of a fit's ``metrics.csv``."""
+    return [(float(r["val/elapsed_s"]), int(r["step"]), float(r["val/bpb"])) for r in rows
+            if r.get("val/bpb") and r.get("val/elapsed_s")]
+
+
+def clock(seconds: float) -> str:
+    """``DD:HH:MM:SS``, Lightning's duration string, of whole ``seconds`` (at least 1)."""
+    s = max(1, round(seconds))
+    return f"00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
+    """One recipe and seed: fit for ``a.minutes``, then the final held-out pass; what both logged."""
+    folder = out / f"{Path(recipe).stem}-{seed}"
+    t0 = time.perf_counter()
+    k3lit("fit", "--config", recipe, "--seed_everything", str(seed), f"--trainer.max_time={clock(60 * a.minutes)}",
+          "--trainer.max_steps=-1", f"--trainer.val_check_interval={clock(a.val_every)}",
+          f"--trainer.limit_val_batches={a.val_batches}", f"--trainer.default_root_dir={folder}", *a.fit_args,
+          log=folder.with_suffix(".fit.log"))
+    wall = time.perf_counter() - t0
+    fit_rows = read_csv(folder / "metrics.csv")
+    k3lit("validate", "--config", recipe, "--ckpt_path", str(folder / "checkpoints" / "last.ckpt"),
+          f"--trainer.limit_val_batches={a.final_batches}", f"--trainer.default_root_dir={folder}-val",
+          log=folder.with_suffix(".val.log"))
+    final = next(r for r in read_csv(Path(f"{folder}-val") / "metrics.csv") if r.get("val/loss"))
+    steps = max(int(r["step"]) for r in fit_rows) + 1
+    tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
+    summary = folder.with_suffix(".fit.log").read_text()
+    first = next((line.split("first step", 1)[1].split()[0] for line in summary.splitlines() if "first step" in line),
+                 None)
+    return {"recipe": recipe, "seed": seed, "steps": steps, "process_s": wall, "curve": curve(fit_rows),
+            "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
+            "first_step_s": float(first) if first else None}
+
+
+def same_bytes(recipe: str, batches: int) -> dict:
+    """The held-out blocks ``batches`` validation batches of ``recipe`` read: their count, bytes, and what gzip and
+    xz need for them (:func:`k3lit.train.reference_bpb.reference_bpb`)."""
+    from k3lit.data import K3DataModule
+    from k3lit.train.reference_bpb import reference_bpb
+
+    dm = K3DataModule(**yaml.safe_load((ROOT / recipe).read_text())["data"])
+    blocks = batches * dm.batch_size
+    return {"blocks": blocks, "seq_len": dm.seq_len, **reference_bpb(dm.prepared, dm.seq_len, blocks)}
+
+
+def bpb(r: dict, ref: dict) -> float:
+    """The final pass's bits per byte of the very held-out text (nats per token x tokens / ln 2 / bytes)."""
+    return r["final_val_loss"] * ref["blocks"] * ref["seq_len"] / math.log(2) / ref["bytes"]
+
+
+def plot(result: dict, path: Path) -> None:
+    """Held-out bits per byte against seconds of training, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    recipes = sorted({r["recipe"] for r in result["runs"]})
+    for r in result["runs"]:
+        seconds, _, values = zip(*r["curve"]) if r["curve"] else ((), (), ())
+        ax.plot(seconds, values, marker="o", ms=3, color=f"C{recipes.index(r['recipe'])}",
+                linestyle="-" if r["seed"] == result["seeds"][0] else "--",
+                label=f"{Path(r['recipe']).stem}, seed {r['seed']}")
+    ax.set_xlabel("seconds of training (compilation and validation included)")
+    ax.set_ylabel(f"held-out bits per byte (first {result['val_batches']} validation batches)")
+    ax.set_title(f"{result['minutes']:g} minutes each, {result['env']['device']}")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(result: dict, png: str) -> str:
+    """RESULTS.md's section: the command, one row per run, and the difference against the seed-to-seed spread."""
+    ref, env = result["same_bytes"], result["env"]
+    lines = [
+        f"Written by `benchmarks/race.py`. {env['date']} · {env['device']} · torch {env['torch']}, triton "
+        f"{env['triton']} · {result['command']}. Each run a fresh `k3lit fit` of the recipe as shipped with "
+        f"`trainer.max_time` {result['minutes']:g} minutes and no step limit (its cosine ends with the time), one "
+        "after the other on one GPU; the budget counts from the start of training, compilation and validation "
+        "included. Final held-out pass (`k3lit validate`, last weights): the split's first "
+        f"{ref['blocks']} blocks of {ref['seq_len'] + 1} tokens, {ref['bytes']:,} bytes, the same bytes for every "
+        f"run: gzip -9 {ref['gzip -9']:.3f}, xz -9e {ref['xz -9e']:.3f} bits per byte. Raw runs: "
+        f"`{result.get('json', '')}`; curve: `{png}`.",
+        "",
+        "| recipe | seed | steps | first step (s) | median tokens/s | held-out bpb |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_recipe: dict[str, list[float]] = {}
+    for r in result["runs"]:
+        value = bpb(r, ref)
+        by_recipe.setdefault(r["recipe"], []).append(value)
+        tps = f"{r['median_tokens_per_s']:,.0f}" if r.get("median_tokens_per_s") else "-"
+        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") else "-"
+        lines.append(f"| `{Path(r['recipe']).stem}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {value:.4f} |")
+    if len(by_recipe) == 2:
+        (ka, va), (kb, vb) = by_recipe.items()
+        gap = statistics.mean(vb) - statistics.mean(va)
+        spread = max(max(v) - min(v) for v in (va, vb))
+        lead = Path(ka).stem if gap > 0 else Path(kb).stem
+        verdict = "more" if abs(gap) > spread else "less"
+        lines += ["", f"Mean held-out bpb: `{Path(ka).stem}` {statistics.mean(va):.4f}, `{Path(kb).stem}` "
+                      f"{statistics.mean(vb):.4f}: `{lead}` ahead by {abs(gap):.4f}, {verdict} than the largest "
+                      f"seed-to-seed spread ({spread:.4f})."]
+    return "\n".join(lines)
+
+
+def race(a: argparse.Namespace) -> dict:
+    """Prepare the recipes' corpus, then run every seed of every recipe (:func:`run`), one after the other; the
+    raw result (written to ``a.json`` after each run).
+
+    Raises:
+        SystemExit: the recipes' data sections differ (their held-out bytes would too).
+    """
+    datas = {json.dumps(yaml.safe_load((ROOT / r).read_text())["data"], sort_keys=True) for r in a.recipes}
+    if len(datas) > 1:
+        raise SystemExit("--recipes: their data sections differ, so their held-out bytes would too")
+    out = ROOT / a.out
+    out.mkdir(parents=True, exist_ok=True)
+    k3lit("prepare", "--config", a.recipes[0], log=out / "prepare.log")
+    result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "env": versions(),
+              "command": command(), "json": a.json or "", "runs": [],
+              "same_bytes": same_bytes(a.recipes[0], a.final_batches)}
+    for seed in a.seeds:
+        for recipe in a.recipes:
+            result["runs"].append(run(recipe, seed, a, out))
+            print(json.dumps(result["runs"][-1]), flush=True)
+            if a.json:
+                Path(a.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", nargs="+", default=["recipes/small.yaml", "recipes/small_plain.yaml"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235])
+    p.add_argument("--minutes", type=float, default=6.0, help="training time of each run")
+    p.add_argument("--val_every", type=float, default=45.0, help="seconds between validations")
+    p.add_argument("--val_batches", type=int, default=25, help="validation batches of each periodic validation")
+    p.add_argument("--final_batches", type=int, default=50, help="validation batches of the final held-out pass")
+    p.add_argument("--out", default="runs/race", help="folder of the runs")
+    p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
+    p.add_argument("--json", help="write the raw runs here")
+    p.add_argument("--png", help="the curve (default: the JSON's path with .png)")
+    p.add_argument("--from_json", help="only write RESULTS.md's section and the PNG from this file")
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
+    if a.from_json:
+        result = json.loads(Path(a.from_json).read_text())
+        result["json"] = a.from_json
+    else:
+        result = race(a)
+    png = a.png or str(Path(a.from_json or a.json or ROOT / a.out / "race.json").with_suffix(".png"))
+    plot(result, Path(png))
+    write_section(f"Race at equal wall-clock ({result['env']['device'].removeprefix('NVIDIA ')})", table(result, png))
+    print(table(result, png))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/race.py on CPU: two narrowed recipes, a few seconds each, through real `k3lit fit` and `validate`."""
+
+from __future__ import annotations
+
+import math
+
+import yaml
+
+from benchmarks.race import parser, plot, race, table
+from k3lit.data.prepare import prepare_corpus
+
+MODEL = dict(dim=32, n_layers=2, n_heads=2, head_dim=16, mlp_hidden=64, tie_embeddings=True)
+
+
+def recipe(path, cache: str, **model) -> str:
+    data = dict(corpus="stdlib", tokenizer="byte", seq_len=32, batch_size=2, val_fraction=0.05, cache_dir=cache)
+    trainer = dict(accelerator="cpu", devices=1, log_every_n_steps=2, num_sanity_val_steps=0,
+                   check_val_every_n_epoch=None, enable_model_summary=False)
+    path.write_text(yaml.safe_dump({"model": {**MODEL, **model}, "optim": {"warmup_steps": 2}, "data": data,
+                                    "trainer": trainer, "compile": False}))
+    return str(path)
+
+
+def test_two_recipes_race_on_the_same_bytes(tmp_path):
+    stdlib_cache = str(tmp_path / "data")
+    prepare_corpus("stdlib", "byte", cache_dir=stdlib_cache, val_fraction=0.05, verbose=False)
+    k3 = recipe(tmp_path / "k3.yaml", stdlib_cache, layer_pattern="KA", n_experts=4, top_k=2, expert_dim=16)
+    plain = recipe(tmp_path / "plain.yaml", stdlib_cache, layer_pattern="A", residual="plain")
+    a = parser().parse_args(["--recipes", k3, plain, "--seeds", "7", "--minutes", "0.1", "--val_every", "2",
+                             "--val_batches", "2", "--final_batches", "3", "--out", str(tmp_path / "runs"),
+                             "--json", str(tmp_path / "race.json")])
+    result = race(a)
+    ref = result["same_bytes"]
+    assert ref["blocks"] == 6 and ref["bytes"] == 6 * 33  # 3 batches of 2 blocks of 33 byte tokens
+    assert [r["recipe"] for r in result["runs"]] == [k3, plain]
+    for r in result["runs"]:
+        seconds = [s for s, _, _ in r["curve"]]
+        # the run's clock: a 6 s budget, and a validation starts before it ends
+        assert len(seconds) >= 2 and seconds == sorted(seconds) and seconds[-1] < 6 + 5, r["curve"]
+        assert r["steps"] > 2 and math.isfinite(r["final_val_loss"]) and r["first_step_s"] > 0
+    text = table(result, "race.png")
+    assert text.count("| 7 |") == 2 and "than the largest seed-to-seed spread (0.0000)" in text
+    assert f"{ref['bytes']:,} bytes" in text
+    plot(result, tmp_path / "race.png")
+    assert (tmp_path / "race.png").stat().st_size > 10_000
