@@ -225,7 +225,7 @@ class K3LitModule(L.LightningModule):
         loss = self.val_loss.compute()  # token-weighted mean over the whole pass, synced across ranks
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
-        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # seconds into the run: held-out loss against wall-clock
+        if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # held-out loss against wall-clock
             self.log("val/elapsed_s", self._elapsed_s())
         bytes_per_token = getattr(getattr(self.trainer, "datamodule", None), "val_bytes_per_token", None)
         if bytes_per_token:
