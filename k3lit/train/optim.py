@@ -25,7 +25,8 @@ class OptimConfig:
         name: ``adamw`` (every parameter by AdamW) or ``muon`` (the hidden matrices by Muon with the update
             scaled to AdamW's RMS, everything else by AdamW; see :func:`muon_matrices` and :class:`MuonAdamW`).
         lr: peak learning rate (of both parts under ``muon``).
-        min_lr_ratio: final learning rate as a fraction of ``lr`` at the end of the cosine.
+        min_lr_ratio: final learning rate as a fraction of ``lr`` at the end of the cosine, which comes with
+            ``trainer.max_steps`` or, when the time limit ends the run first, with ``trainer.max_time``.
         warmup_steps: optimizer steps of linear warmup from 0.
         weight_decay: decoupled weight decay on matrices (not on norms, biases or pseudo-queries).
         beta1, beta2, eps: AdamW moments.
