@@ -49,3 +49,11 @@ def test_attention_with_rotary_embeddings_sees_order(seed):
         attn = SoftmaxAttention(32, 2, 16, rope_theta=theta).double()
         a, b = attn(x)[0][:, -1], attn(swapped)[0][:, -1]
         assert (not torch.allclose(a, b, rtol=1e-12, atol=1e-12)) is differs
+
+
+def test_compiled_rotary_equals_eager(seed):
+    """Under torch.compile the tables come from their own op (not fused into the rotation) and the result is the
+    same function."""
+    x = torch.randn(2, 3, 16, 8)
+    compiled = torch.compile(rotary, fullgraph=True)
+    torch.testing.assert_close(compiled(x, 0, 1e4), rotary(x, 0, 1e4), rtol=1e-6, atol=1e-6)
