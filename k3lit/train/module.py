@@ -171,8 +171,9 @@ class K3LitModule(L.LightningModule):
             self.train_load.reset()
             self.last_expert_fraction = stats["fraction"].detach()  # [L_moe, n] on the device, for ExpertLoadPlots
             # Lightning writes only the logging steps' values of on-step metrics; each self.log call costs the host
-            # about half a millisecond, so the other steps log nothing
-            for i in range(len(stats["max_vio"]) if compat.should_update_logs(self.trainer) else 0):
+            # about half a millisecond, so the other steps of a trainer's run log nothing
+            logs = self._trainer is None or compat.should_update_logs(self.trainer)
+            for i in range(len(stats["max_vio"]) if logs else 0):
                 self.log(f"train/max_vio/layer{i}", stats["max_vio"][i])
                 self.log(f"train/router_entropy/layer{i}", stats["entropy"][i])
                 if self.model_config.capacity_factor is not None:
