@@ -47,7 +47,7 @@ from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
-from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_model_checkpoint
+from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
 from k3lit.train.module import K3LitModule
@@ -158,7 +158,8 @@ class K3CLI(LightningCLI):
     def _resolve_ckpt_path(self) -> str | None:
         """The checkpoint ``--ckpt_path`` names, as a file or sharded folder: ``last`` and ``hpc`` become the path
         Lightning would pick (None when there is none yet: the run starts from scratch), and the resolved path is
-        what the sub-command loads. Raises FileNotFoundError for a path that is no checkpoint."""
+        what the sub-command loads. Raises FileNotFoundError for a path that is no checkpoint,
+        CheckpointError for one that cannot be read (:func:`~k3lit.train.checkpoint.check_checkpoint`)."""
         ckpt_path = self._value(self.config_init, "ckpt_path")
         if ckpt_path in ("last", "hpc"):
             fn, asked = TrainerFn(self.subcommand), ckpt_path
@@ -321,6 +322,11 @@ def main(argv: list[str] | None = None) -> None:
 
             return slurm_main(args[1:])
         K3CLI(args=argv)
+    except CheckpointError as e:  # one line: the file and what is wrong with it
+        if os.environ.get("K3LIT_DEBUG"):
+            raise
+        print(f"k3lit: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (ValueError, FileNotFoundError, MisconfigurationException) as e:  # configuration errors: say what to
         # change, no traceback
         if os.environ.get("K3LIT_DEBUG"):
