@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from k3lit.cli import main
 from k3lit.train.checkpoint import check_checkpoint
-from tests.parallel._dist import free_port
+from tests.parallel._dist import one_process_env
 from tests.test_cli import SMALL, fit_args
 
 ROOT = Path(__file__).parents[2]
@@ -26,9 +26,8 @@ def written(tmp_path_factory, stdlib_cache) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("written")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(free_port()))
         main(fit_args(tmp / "file", stdlib_cache, 2, *NARROW))
+        one_process_env(mp)
         try:
             main(fit_args(tmp / "sharded", stdlib_cache, 2, *NARROW, *SHARDED))
         finally:
