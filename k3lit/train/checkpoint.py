@@ -12,6 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from k3lit.train.checkpoint_save import staged_paths
+
 __all__ = ["CheckpointError", "check_checkpoint", "checkpoint_hparams", "load_model_checkpoint"]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -38,6 +40,10 @@ def check_checkpoint(path: str | Path) -> Path:
     """
     p = Path(path)
     if not p.exists():
+        partial, replaced = staged_paths(p)
+        if partial.exists() and replaced.exists():
+            raise CheckpointError(p, f"its last save stopped between two renames, {partial} is that checkpoint whole",
+                                  f"pass {partial}, or resume with `k3lit fit --ckpt_path`, which moves it in place")
         raise FileNotFoundError(
             f"checkpoint {p} not found: pass a .ckpt file or a sharded checkpoint folder (with .metadata and "
             f"{META}), e.g. runs/<recipe>/checkpoints/last.ckpt"
