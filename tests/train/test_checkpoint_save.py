@@ -3,9 +3,11 @@ resuming from it: a single file, and a sharded folder written by 2 gloo processe
 (`.partial`, `.replaced`) always leave a whole checkpoint where fit finds it."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,12 +69,11 @@ def _files(folder: Path) -> dict[Path, tuple[int, int, int]]:
     return out
 
 
-def _kill_mid_save(cmd: list[str], folder: Path, marker: Path, log: Path) -> Path:
-    """Run ``cmd``; once ``marker`` appears, SIGKILL its whole process group as soon as a file under ``folder`` that
-    is new or rewritten since holds 16 MB (the padded save is under way). Returns that file."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    if os.path.isdir("/dev/shm"):  # a temporary folder on another filesystem than the run, as on many clusters
-        env["TMPDIR"] = "/dev/shm"
+def _kill_mid_save(cmd: list[str], folder: Path, marker: Path, log: Path, tmpdir: Path) -> Path:
+    """Run ``cmd`` with ``tmpdir`` as its temporary folder; once ``marker`` appears, SIGKILL its whole process group
+    as soon as a file under ``folder`` that is new or rewritten since holds 16 MB (the padded save is under way).
+    Returns that file."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), "TMPDIR": str(tmpdir)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -113,24 +114,41 @@ def _slow_fit(root: Path, cache: str, *extra: str) -> list[str]:
             f"--trainer.callbacks.marker={root / 'saving'}"]
 
 
-def test_killed_during_a_save_the_previous_file_stays_and_resumes(tmp_path, stdlib_cache, monkeypatch):
+@pytest.fixture
+def tmpdir_elsewhere(tmp_path) -> Path:
+    """A temporary folder on another filesystem than ``tmp_path`` where there is one (/dev/shm), as a node-local /tmp
+    beside checkpoints on a shared filesystem."""
+    if not os.path.isdir("/dev/shm"):
+        (tmp_path / "tmp").mkdir()
+        yield tmp_path / "tmp"
+        return
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_killed_during_a_save_the_previous_file_stays_and_resumes(tmp_path, stdlib_cache, monkeypatch,
+                                                                  tmpdir_elsewhere):
     monkeypatch.chdir(ROOT)
     root, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    seen = _kill_mid_save(_slow_fit(root, stdlib_cache), ckpts, root / "saving", tmp_path / "log")
+    seen = _kill_mid_save(_slow_fit(root, stdlib_cache), ckpts, root / "saving", tmp_path / "log", tmpdir_elsewhere)
     assert _step(ckpts / "last.ckpt") == 2, f"killed while {seen} was written"
+    # the checkpoint is written straight beside its place: no copy of it is left in the temporary folder
+    assert not [f for f in tmpdir_elsewhere.rglob("*") if f.is_file() and f.stat().st_size >= 2**20]
     assert _resume(root, stdlib_cache) == 2
     assert _step(ckpts / "last.ckpt") == 4
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]
 
 
 @pytest.mark.slow
-def test_killed_during_a_sharded_save_the_previous_folder_stays_and_resumes(tmp_path, stdlib_cache, monkeypatch):
+def test_killed_during_a_sharded_save_the_previous_folder_stays_and_resumes(tmp_path, stdlib_cache, monkeypatch,
+                                                                           tmpdir_elsewhere):
     """2 gloo processes write the folder (one shard each), killed together while rank zero writes its part; the
     previous folder resumes on one process."""
     monkeypatch.chdir(ROOT)
     root, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     cmd = _slow_fit(root, stdlib_cache, *SHARDED, "--trainer.devices=2", "--trainer.strategy.data_parallel_size=2")
-    seen = _kill_mid_save(cmd, ckpts, root / "saving", tmp_path / "log")
+    seen = _kill_mid_save(cmd, ckpts, root / "saving", tmp_path / "log", tmpdir_elsewhere)
     last = ckpts / "last.ckpt"
     assert _step(last) == 2 and sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"], \
         f"killed while {seen} was written"
