@@ -76,13 +76,15 @@ def settle(path: str | Path) -> None:
     path = Path(path)
     partial, replaced = staged_paths(path)
     if os.path.lexists(replaced):
-        if not os.path.lexists(path):
+        for whole in (partial, replaced):  # the new checkpoint; the old one only if the new one is gone too
+            if os.path.lexists(path):
+                break
             try:
-                os.rename(partial, path)
+                os.rename(whole, path)
             except FileNotFoundError:  # another process of the job moved it
                 pass
-            _fsync_dir(path.parent)
-        _remove(replaced)  # only once the new checkpoint is at path, so another process never sees neither
+        _fsync_dir(path.parent)
+        _remove(replaced)  # only once a checkpoint is at path, so another process never finds neither
     _remove(partial)
 
 

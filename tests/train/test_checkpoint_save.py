@@ -207,3 +207,6 @@ def test_settle_finishes_a_swap_killed_between_its_renames_and_drops_a_killed_wr
     _write(partial, {"__0_0.distcp": "half"})  # a save killed while writing
     settle(path)
     assert _tree(path) == FOLDER_NEW and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    path.rename(replaced)  # the old folder aside and no new one: the old one comes back
+    settle(path)
+    assert _tree(path) == FOLDER_NEW and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
