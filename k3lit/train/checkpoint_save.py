@@ -89,11 +89,12 @@ def settle(path: str | Path) -> None:
 
 
 def settle_folder(folder: str | Path) -> None:
-    """:func:`settle` every checkpoint of ``folder`` that has a ``.partial`` or ``.replaced`` beside it."""
+    """:func:`settle` every ``*.ckpt`` (the names Lightning gives checkpoints) of ``folder`` that has a ``.partial``
+    or ``.replaced`` beside it; other files are left alone."""
     folder = Path(folder)
     if folder.is_dir():
         for name in {p.name.removesuffix(PARTIAL).removesuffix(REPLACED) for p in folder.iterdir()
-                     if p.name.endswith((PARTIAL, REPLACED))}:
+                     if p.name.endswith((".ckpt" + PARTIAL, ".ckpt" + REPLACED))}:
             settle(folder / name)
 
 

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from k3lit.cli import main
 from k3lit.train.checkpoint import CheckpointError, check_checkpoint
-from k3lit.train.checkpoint_save import commit, settle, staged_paths
+from k3lit.train.checkpoint_save import commit, settle, settle_folder, staged_paths
 from tests.parallel._dist import free_port, one_process_env
 from tests.test_cli import fit_args
 
@@ -210,3 +210,7 @@ def test_settle_finishes_a_swap_killed_between_its_renames_and_drops_a_killed_wr
     path.rename(replaced)  # the old folder aside and no new one: the old one comes back
     settle(path)
     assert _tree(path) == FOLDER_NEW and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    _write(partial, FOLDER_NEW)
+    _write(tmp_path / "notes.partial", {"": "not a checkpoint"})
+    settle_folder(tmp_path)  # what fit runs on its checkpoint folders: checkpoints only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "notes.partial"]
