@@ -38,6 +38,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -47,7 +48,8 @@ from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
-from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_model_checkpoint
+from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
+from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
 from k3lit.train.module import K3LitModule
@@ -85,7 +87,8 @@ class K3ArgumentParser(LightningArgumentParser):
 
 class K3CLI(LightningCLI):
     """LightningCLI whose ``model`` group is the :class:`ModelConfig` dataclass itself (``--model.dim``), with
-    ``optim`` beside it; the LightningModule is built from both after the data module fixes the vocabulary."""
+    ``optim`` beside it; the LightningModule is built from both after the data module fixes the vocabulary. Its
+    trainer is a :class:`~k3lit.train.checkpoint_save.K3Trainer`: a killed save leaves no half-written checkpoint."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         quiet_third_party()
@@ -94,6 +97,7 @@ class K3CLI(LightningCLI):
             K3DataModule,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
+            trainer_class=K3Trainer,
             trainer_defaults={"check_val_every_n_epoch": None},  # val_check_interval: steps over the whole run
             parser_class=K3ArgumentParser,
             args=args,
@@ -124,6 +128,8 @@ class K3CLI(LightningCLI):
         self.config_init = _instantiate(self.parser, self.config)
         self.datamodule = self._value(self.config_init, "data")
         self.trainer = self.instantiate_trainer(**self._trainer_kwargs())
+        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured one
+            self.trainer.strategy.checkpoint_io = DirectCheckpointIO()
         if isinstance(self.trainer.accelerator, CUDAAccelerator):
             torch.set_float32_matmul_precision(self._value(self.config_init, "float32_matmul_precision", "high"))
         model_cfg: ModelConfig = self._value(self.config_init, "model")
@@ -158,8 +164,12 @@ class K3CLI(LightningCLI):
     def _resolve_ckpt_path(self) -> str | None:
         """The checkpoint ``--ckpt_path`` names, as a file or sharded folder: ``last`` and ``hpc`` become the path
         Lightning would pick (None when there is none yet: the run starts from scratch), and the resolved path is
-        what the sub-command loads. Raises FileNotFoundError for a path that is no checkpoint."""
+        what the sub-command loads; ``fit`` first finishes a save it was killed in (:meth:`_settle_checkpoints`).
+        Raises FileNotFoundError for a path that is no checkpoint, CheckpointError for one that cannot be read
+        (:func:`~k3lit.train.checkpoint.check_checkpoint`)."""
         ckpt_path = self._value(self.config_init, "ckpt_path")
+        if self.subcommand == "fit":
+            self._settle_checkpoints(ckpt_path)
         if ckpt_path in ("last", "hpc"):
             fn, asked = TrainerFn(self.subcommand), ckpt_path
             with warnings.catch_warnings():  # Lightning's hint (set save_last=True) does not apply: k3lit does
@@ -171,6 +181,17 @@ class K3CLI(LightningCLI):
                                "this run starts from scratch")
             self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
         return None if ckpt_path is None else str(check_checkpoint(ckpt_path))
+
+    def _settle_checkpoints(self, ckpt_path: str | None) -> None:
+        """Finish any checkpoint save that an earlier ``fit`` in this run folder was killed in (the folders where
+        ``last`` and ``hpc`` look, and ``ckpt_path``), so that it resumes from, or moves aside, a whole checkpoint
+        (:func:`~k3lit.train.checkpoint_save.settle`)."""
+        folders = [cb.dirpath for cb in self.trainer.checkpoint_callbacks] + [self.trainer.default_root_dir]
+        for folder in folders:
+            if folder and is_local_path(folder):
+                settle_folder(folder)
+        if ckpt_path not in (None, "last", "hpc") and is_local_path(ckpt_path):
+            settle(ckpt_path)
 
     def _checkpoint_architecture(self, ckpt_path: str, model_cfg: ModelConfig) -> ModelConfig:
         """``model_cfg`` with every field that shapes the weights taken from the checkpoint, so they always load
@@ -321,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
 
             return slurm_main(args[1:])
         K3CLI(args=argv)
+    except CheckpointError as e:  # one line: the file and what is wrong with it
+        if os.environ.get("K3LIT_DEBUG"):
+            raise
+        print(f"k3lit: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (ValueError, FileNotFoundError, MisconfigurationException) as e:  # configuration errors: say what to
         # change, no traceback
         if os.environ.get("K3LIT_DEBUG"):

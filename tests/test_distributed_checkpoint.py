@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from k3lit.cli import K3CLI, main
 from k3lit.data.tokenizer import ByteTokenizer
 from k3lit.train.module import K3LitModule
+from tests.parallel._dist import one_process_env
 
 ROOT = Path(__file__).parents[1]
 MODEL = [
@@ -116,7 +117,7 @@ def _export_reads_the_gathered_weights_only(folder: Path, saved: dict, out: Path
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, capsys):
+def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, capsys, monkeypatch):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     _fit_two_processes(whole, corpus, 8)
     at4 = whole / "checkpoints" / "step=4.ckpt"
@@ -137,6 +138,7 @@ def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, 
         assert torch.equal(t, end_b["state_dict"][name]), name
 
     # 2 -> 1: one process gathers both shards; weights and Adam moments are exactly the saved ones.
+    one_process_env(monkeypatch)
     cli = K3CLI(args=_args(tmp_path / "one", corpus, 1, 6), run=False)
     capture = Capture()
     cli.trainer.callbacks.append(capture)

@@ -4,6 +4,7 @@ and Lightning's ``meta.pt`` with the hyper-parameters, loops and data position).
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -11,35 +12,99 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["check_checkpoint", "is_sharded_checkpoint", "checkpoint_hparams", "load_model_checkpoint"]
+from k3lit.train.checkpoint_save import staged_paths
+
+__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_hparams", "load_model_checkpoint"]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+ZIP_RECORD = b"PK\x03\x04"  # how every torch.save archive starts, so every record of a shard
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a torch-distributed-checkpoint folder written by Lightning (``.metadata`` + ``meta.pt``)."""
-    p = Path(path)
-    return p.is_dir() and (p / ".metadata").is_file() and (p / META).is_file()
+class CheckpointError(ValueError):
+    """A checkpoint that exists but cannot be read (truncated, garbage, an incomplete sharded folder). The message is
+    one line: ``checkpoint <path> cannot be read: <what is wrong>; <what to pass instead>``."""
+
+    def __init__(self, path: Path, problem: str, fix: str = "pass a checkpoint written by k3lit fit") -> None:
+        super().__init__(f"checkpoint {path} cannot be read: {problem}; {fix}".replace("\n", " "))
 
 
 def check_checkpoint(path: str | Path) -> Path:
-    """``path`` as a Path if it is a checkpoint file or sharded folder; else FileNotFoundError saying what to pass."""
+    """``path`` as a Path once it is known to be a whole checkpoint: a torch file (its zip directory, which torch writes
+    last, is there and lists ``data.pkl``), or a sharded folder whose ``.metadata`` unpickles, whose ``meta.pt`` is such
+    a file and whose shards hold every record ``.metadata`` lists, each starting where it says. Reads no tensor. Every
+    command that takes a checkpoint (fit, validate, generate, export) calls it before loading anything.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: something at ``path`` that is no whole checkpoint (the message names the file and the fault).
+    """
     p = Path(path)
-    if not (p.is_file() or is_sharded_checkpoint(p)):
+    if not p.exists():
+        partial, replaced = staged_paths(p)
+        if partial.exists() and replaced.exists():
+            raise CheckpointError(p, f"its last save stopped between two renames, {partial} is that checkpoint whole",
+                                  f"pass {partial}, or resume with `k3lit fit --ckpt_path`, which moves it in place")
         raise FileNotFoundError(
             f"checkpoint {p} not found: pass a .ckpt file or a sharded checkpoint folder (with .metadata and "
             f"{META}), e.g. runs/<recipe>/checkpoints/last.ckpt"
         )
+    if p.is_dir():
+        _check_sharded(p)
+    else:
+        _check_torch_file(p, p)
     return p
 
 
-def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
-    """The ``hyper_parameters`` saved with a checkpoint (file or sharded folder), without loading any weights.
+def _check_torch_file(f: Path, ckpt: Path) -> None:
+    """Raise CheckpointError (for checkpoint ``ckpt``) unless ``f`` is a whole torch.save zip archive."""
+    if f.stat().st_size == 0:
+        raise CheckpointError(ckpt, f"{_name(f, ckpt)}empty file (0 bytes)")
+    try:
+        with zipfile.ZipFile(f) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(ckpt, f"{_name(f, ckpt)}truncated or not a torch checkpoint ({e})") from None
+    if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+        raise CheckpointError(ckpt, f"{_name(f, ckpt)}not a torch checkpoint (a zip archive without data.pkl)")
 
-    Raises:
-        FileNotFoundError: ``path`` is neither a file nor a sharded checkpoint folder.
-    """
-    p = check_checkpoint(path)
+
+def _check_sharded(p: Path) -> None:
+    """Raise CheckpointError unless folder ``p`` is a whole sharded checkpoint (see :func:`check_checkpoint`)."""
+    for name in (".metadata", META):
+        if not (p / name).is_file():
+            raise CheckpointError(p, f"a folder without {name} (no sharded checkpoint, or an incomplete one)")
+    try:
+        records = dcp.FileSystemReader(p).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - whatever unpickling garbage raises
+        raise CheckpointError(p, f".metadata is garbage ({type(e).__name__}: {e})") from None
+    _check_torch_file(p / META, p)
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for info in records.values():
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+    for name, spans in sorted(by_file.items()):
+        shard = p / name
+        if not shard.is_file():
+            raise CheckpointError(p, f"shard {name} is missing")
+        size, end = shard.stat().st_size, max(offset + length for offset, length in spans)
+        if size < end:
+            raise CheckpointError(p, f"shard {name} is truncated ({size} bytes, .metadata lists {end})")
+        with open(shard, "rb") as fh:  # each record is one torch.save archive: a zip local-file header
+            for offset, _ in sorted(spans):
+                fh.seek(offset)
+                if fh.read(4) != ZIP_RECORD:
+                    raise CheckpointError(p, f"shard {name} is garbage or of another save (no record at byte "
+                                             f"{offset}, where .metadata puts one)")
+
+
+def _name(f: Path, ckpt: Path) -> str:
+    """``"meta.pt: "`` for a file inside a sharded checkpoint, nothing for the checkpoint file itself."""
+    return "" if f == ckpt else f"{f.name}: "
+
+
+def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
+    """The ``hyper_parameters`` saved with a checkpoint (file or sharded folder) that :func:`check_checkpoint`
+    accepted, without loading any weights."""
+    p = Path(path)
     return torch.load(p / META if p.is_dir() else p, map_location="cpu", weights_only=True).get("hyper_parameters", {})
 
 
@@ -51,7 +116,8 @@ def load_model_checkpoint(path: str | Path) -> dict[str, Any]:
     only (no process group needed).
 
     Raises:
-        FileNotFoundError: ``path`` is neither a file nor a sharded checkpoint folder.
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: something at ``path`` that is no whole checkpoint (:func:`check_checkpoint`).
     """
     p = check_checkpoint(path)
     if p.is_file():

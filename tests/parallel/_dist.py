@@ -21,6 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set, for the duration of a test, the variables Lightning sets and leaves behind when a parallel strategy runs
+    one rank in this process. A leftover ``LOCAL_RANK`` would tell a later ``k3lit fit --trainer.devices=2``
+    subprocess of this worker that its ranks are started externally: it would wait for a rank nobody starts."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("NODE_RANK", "0"),
+                        ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+
+
 def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile: str) -> None:
     # Native (C++) messages, e.g. gloo's before an abort, go to a file the parent shows if this rank dies.
     log = os.open(f"{errfile}.stderr.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
