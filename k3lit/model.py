@@ -306,8 +306,14 @@ class K3LM(nn.Module):
         """``nn.Module.compile`` (arguments as ``torch.compile``'s), the whole model as one graph, activation
         checkpointing included: dynamo is set (a process-wide setting) to keep the side effects of a checkpointed
         forward (the MoE layers' balancer statistics) out of its recomputation, as eager mode does (the MoE skips
-        recording while autograd recomputes), instead of breaking the graph at every checkpointed segment."""
+        recording while autograd recomputes), instead of breaking the graph at every checkpointed segment; and AOT
+        autograd's cache (a process-wide setting) is allowed to keep the graph although it holds a custom
+        ``autograd.Function``."""
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        # AOT autograd's cache passes over graphs that hold a custom autograd.Function (the segments' _Group) unless
+        # told otherwise; the graph it keys on holds the function's traced forward and backward, so a run with
+        # filled caches reuses the compiled step instead of tracing its backward again
+        torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
         super().compile(*args, **kwargs)
 
     def moe_layers(self) -> list[MoE]:

@@ -1,5 +1,5 @@
 """The whole K3 model compiles as one graph (``torch.compile(fullgraph=True)``: a graph break raises), trains, and
-its MoE balancers keep recording and updating inside the compiled region."""
+its MoE balancers keep recording and updating inside the compiled region; AOT autograd's cache keeps the graph."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import update_balancers
@@ -39,11 +40,14 @@ def test_whole_model_compiles_without_graph_breaks_and_balances(policy):
                       attnres_block_size=2, activation_checkpointing=policy)  # block: 2 of 3 segments recomputed
     eager = K3LM(cfg)
     compiled = copy.deepcopy(eager)
+    counters.clear()
     compiled.compile(fullgraph=True)
     x = torch.randint(0, cfg.vocab_size, (2, 49), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled(x[:, :-1])[0].float().logsumexp(-1).mean().backward()
     assert all(moe.pending_tokens == x.shape[0] * (x.shape[1] - 1) for moe in compiled.moe_layers())
+    # the step is kept in AOT autograd's cache (a later process reuses it), custom autograd.Function and all
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
     compiled.zero_grad()
     update_balancers(compiled)
     compiled.load_state_dict(eager.state_dict())  # the balancers' biases as well
