@@ -247,11 +247,6 @@ def prepare_main(argv: list[str]) -> None:
     print(dm.describe())
 
 
-def _init_args(hparams: dict) -> dict:
-    """Constructor arguments saved in a checkpoint, without Lightning's private entries."""
-    return {k: v for k, v in hparams.items() if not k.startswith("_")}
-
-
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
@@ -266,13 +261,13 @@ def generate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     ckpt = load_model_checkpoint(args.ckpt)
-    module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
+    module = K3LitModule(**compat.init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])
     model = module.model.to(args.device).eval()
     if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
-        tok = K3DataModule(**_init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
+        tok = K3DataModule(**compat.init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt must encode to at least one token")
