@@ -46,6 +46,7 @@ from k3lit import lightning_compat as compat
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
+from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
 from k3lit.train.checkpoint import check_checkpoint, checkpoint_hparams, load_model_checkpoint
 from k3lit.train.csv_log import RunCSVLogger
@@ -324,5 +325,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``k3lit`` command (and ``python -m k3lit.cli``): :func:`main` in a process of its own, which then ends
+    through :func:`~k3lit.parallel.process_exit.exit_process`, without interpreter finalisation: after a run, torch's
+    C++ threads (gloo's, the autograd engine's) are still alive, and finalising with them can abort a process whose
+    work succeeded. Errors (a traceback, ``SystemExit``) leave the usual way."""
     main()
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    console_main()
