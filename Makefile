@@ -6,21 +6,35 @@ ARGS ?=
 SLURM_ARGS ?=
 # torch and torchvision are pinned together (litdata imports torchvision); override for another CUDA/CPU build.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
+# Exact version of every package install puts in the venv (pip constraints, written by `make lock`); LOCK= installs
+# the newest versions pyproject.toml's ranges allow instead.
+LOCK ?= requirements/constraints.txt
+LOCK_VENV ?= $(or $(TMPDIR),/tmp)/k3lit-lock-venv
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 RECIPE_PATH := $(if $(wildcard $(RECIPE)),$(RECIPE),recipes/$(RECIPE).yaml)
 
-.PHONY: install train prepare generate slurm test lint clean
+.PHONY: install lock train prepare generate slurm test lint clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# pip and setuptools (k3lit's build backend, used without build isolation) come from the lock too.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --upgrade $(if $(LOCK),-c $(LOCK)) pip setuptools
+	$(BIN)/pip install -q $(if $(LOCK),-c $(LOCK)) $(TORCH)
+	$(BIN)/pip install -q $(if $(LOCK),-c $(LOCK)) --no-build-isolation -e ".[dev]"
 	touch $@
+
+lock:  ## rewrite LOCK with what an unconstrained install into a fresh venv gets today
+	rm -rf $(LOCK_VENV)
+	$(MAKE) --no-print-directory install VENV=$(LOCK_VENV) LOCK=
+	{ echo "# Exact versions for make install and CI (pip install -c); rewritten by make lock (README, Set-up)."; \
+	  $(LOCK_VENV)/bin/python -c 'import platform as p; print("# Resolved on CPython", p.python_version(), "on", \
+	  p.system(), p.machine())'; $(LOCK_VENV)/bin/pip freeze --all --exclude-editable; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -rf $(LOCK_VENV)
 
 train: install  ## prepare the corpus if needed, then train RECIPE (default: tiny) with extra CLI ARGS
 	$(BIN)/k3lit fit --config $(RECIPE_PATH) $(ARGS)

@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import versions, write_section  # noqa: E402
-from k3lit.data.corpus import PYTHON, iter_split, resolve_corpus, split_cut  # noqa: E402
+from k3lit.data.corpus import iter_split, resolve_corpus, split_cut  # noqa: E402
 from k3lit.data.prepare import prepare_corpus  # noqa: E402
-from k3lit.data.python_corpus import scan_python_sources  # noqa: E402
+from k3lit.data.python_corpus import PYTHON, scan_python_sources  # noqa: E402
 
 
 def bits_per_byte(data: bytes) -> dict[str, float]:

@@ -47,6 +47,7 @@ from k3lit import lightning_compat as compat
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
+from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
 from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
 from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
@@ -268,11 +269,6 @@ def prepare_main(argv: list[str]) -> None:
     print(dm.describe())
 
 
-def _init_args(hparams: dict) -> dict:
-    """Constructor arguments saved in a checkpoint, without Lightning's private entries."""
-    return {k: v for k, v in hparams.items() if not k.startswith("_")}
-
-
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
@@ -287,13 +283,13 @@ def generate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     ckpt = load_model_checkpoint(args.ckpt)
-    module = K3LitModule(**_init_args(ckpt["hyper_parameters"]))
+    module = K3LitModule(**compat.init_args(ckpt["hyper_parameters"]))
     module.load_state_dict(ckpt["state_dict"])
     model = module.model.to(args.device).eval()
     if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
-        tok = K3DataModule(**_init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
+        tok = K3DataModule(**compat.init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt must encode to at least one token")
@@ -355,5 +351,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``k3lit`` command (and ``python -m k3lit.cli``): :func:`main` in a process of its own, which then ends
+    through :func:`~k3lit.parallel.process_exit.exit_process`, without interpreter finalisation: after a run, torch's
+    C++ threads (gloo's, the autograd engine's) are still alive, and finalising with them can abort a process whose
+    work succeeded. Errors (a traceback, ``SystemExit``) leave the usual way."""
     main()
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -38,9 +38,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "SUPPORTED_LIGHTNING", "PRIVATE_METHODS", "check_lightning_version", "resolve_ckpt_path", "hpc_save_path",
-    "should_update_logs", "accumulating", "log_metrics", "throughputs", "save_last_checkpoint", "setup_distributed",
-    "set_device_mesh", "rewrite_metrics_header", "csv_writer", "set_csv_writer",
+    "SUPPORTED_LIGHTNING", "PRIVATE_METHODS", "check_lightning_version", "init_args", "resolve_ckpt_path",
+    "hpc_save_path", "should_update_logs", "accumulating", "log_metrics", "throughputs", "save_last_checkpoint",
+    "setup_distributed", "set_device_mesh", "rewrite_metrics_header", "csv_writer", "set_csv_writer",
 ]
 
 SUPPORTED_LIGHTNING = ">=2.5,<2.7"
@@ -97,6 +97,12 @@ _check_private_methods()
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
+def init_args(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Constructor arguments from hyper-parameters saved in a checkpoint, without the private entries that
+    LightningCLI stores beside them (``_instantiator``, ``_class_path``: names starting with ``_``)."""
+    return {k: v for k, v in hparams.items() if not k.startswith("_")}
+
+
 def resolve_ckpt_path(trainer: lightning.Trainer, fn: TrainerFn, ckpt_path: str) -> str | None:
     """The file or folder that ``trainer.<fn>(ckpt_path=...)`` would load for ``"last"`` or ``"hpc"``; None when there
     is none yet. Lightning warns when ``last`` finds nothing (callers may filter that warning)."""

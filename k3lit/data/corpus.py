@@ -1,13 +1,14 @@
 """Corpora: the built-in ``"stdlib"`` and ``"python"`` corpora and the user's own text, jsonl and parquet files or
 folders.
 
-Built-in corpora need no download: ``"stdlib"`` (:func:`stdlib_files`) is the standard library's ``.py`` files
-without tests, about 12 MB, for CPU runs; ``"python"`` (:mod:`k3lit.data.python_corpus`) is every ``.py``,
-``.pyi``, ``.md`` and ``.rst`` file of the interpreter's installation (standard library with tests and the
+Built-in corpora need no download: ``"stdlib"`` (:mod:`k3lit.data.stdlib_corpus`) is the standard library's
+``.py`` files without tests, about 12 MB, for CPU runs; ``"python"`` (:mod:`k3lit.data.python_corpus`) is every
+``.py``, ``.pyi``, ``.md`` and ``.rst`` file of the interpreter's installation (standard library with tests and the
 installed packages), filtered and deduplicated, about 195 MB with this project's dependencies, for GPU runs.
 
-A corpus is a sorted list of :class:`CorpusFile`. Each file holds documents: a text file is one document, a
-``.jsonl`` file one document per line (field ``"text"``), a ``.parquet`` file one per row (column ``"text"``).
+A corpus is a sorted list of :class:`~k3lit.data.corpus_file.CorpusFile`. Each file holds documents: a text file
+is one document, a ``.jsonl`` file one document per line (field ``"text"``), a ``.parquet`` file one per row
+(column ``"text"``).
 
 The train/validation split is by document and deterministic: a document's *key* (its path relative to the corpus
 root, plus ``#<line or row>`` inside jsonl/parquet files) is hashed with SHA-256 and the document goes to
@@ -21,91 +22,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sysconfig
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-STDLIB = "stdlib"
-"""Name of the built-in corpus of the standard library's sources (tests left out)."""
+from k3lit.data.corpus_file import CorpusFile
+from k3lit.data.python_corpus import PYTHON, python_files
+from k3lit.data.stdlib_corpus import STDLIB, stdlib_files
 
-PYTHON = "python"
-"""Name of the built-in corpus of the interpreter's installed sources (:mod:`k3lit.data.python_corpus`)."""
-
-Kind = Literal["text", "jsonl", "parquet"]
 Split = Literal["train", "val"]
 
-_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _SNIFF_BYTES = 8192
 _HASH_SPACE = 2**64
 _CORPUS_HELP = (
     "Set `corpus` to 'stdlib' or 'python' (the built-in corpora) or to text files (.txt/.md/.py/...), .jsonl files "
     "(field 'text'), .parquet files (column 'text'), or folders of those."
 )
-
-
-@dataclass(frozen=True)
-class CorpusFile:
-    """One file of a corpus.
-
-    Attributes:
-        path: absolute path.
-        key: path relative to the corpus root, POSIX style; the split hash of its documents starts from it.
-        kind: ``"text"`` (whole file is one document), ``"jsonl"`` or ``"parquet"`` (one document per record).
-        size: bytes on disk.
-        mtime_ns: modification time; with ``size`` it fingerprints the file for the cache.
-    """
-
-    path: Path
-    key: str
-    kind: Kind
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def from_path(cls, path: Path, key: str, kind: Kind | None = None) -> CorpusFile:
-        st = path.stat()
-        return cls(path=path.resolve(), key=key, kind=kind or _kind_of(path), size=st.st_size, mtime_ns=st.st_mtime_ns)
-
-
-def stdlib_root() -> Path:
-    """Folder of the running interpreter's standard library (``sysconfig`` path ``"stdlib"``)."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[CorpusFile]:
-    """The built-in corpus: every ``.py`` file of the running interpreter's standard library.
-
-    Left out: ``site-packages``/``dist-packages`` (installed third-party code, which differs between machines)
-    and test folders (``test``, ``tests``, ``idle_test``). ``Lib/test`` alone is larger than the rest of the
-    library together (about 17 MB against 14 MB on CPython 3.11), is full of deliberately odd fixtures (bad
-    encodings, syntax errors, huge generated literals); with it the corpus would be 2.6 times larger for CPU
-    runs that see a few MB anyway. What remains is about 12 MB in 730 files on CPython 3.11 (byte-level: 12 M
-    tokens, prepared in about 2 s; gzip -9 reaches 1.82 bits per byte on it). Generated codec tables
-    (``encodings/cp*.py``) stay: they are part of the library's sources and cheap to learn.
-
-    Keys are paths relative to the standard-library folder, so the split is the same on every machine with
-    the same Python version.
-    """
-    root = stdlib_root()
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("."))
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = Path(dirpath) / name
-                files.append(CorpusFile.from_path(path, path.relative_to(root).as_posix(), "text"))
-    return files
-
-
-def _kind_of(path: Path) -> Kind:
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return "jsonl"
-    if suffix == ".parquet":
-        return "parquet"
-    return "text"
 
 
 def _looks_binary(path: Path) -> bool:
@@ -121,10 +53,10 @@ def _folder_files(root: Path) -> list[CorpusFile]:
             path = Path(dirpath) / name
             if name.startswith(".") or not path.is_file():
                 continue
-            kind = _kind_of(path)
-            if kind == "text" and _looks_binary(path):
+            file = CorpusFile.from_path(path, path.relative_to(root).as_posix())
+            if file.kind == "text" and _looks_binary(path):
                 continue
-            files.append(CorpusFile.from_path(path, path.relative_to(root).as_posix(), kind))
+            files.append(file)
     return files
 
 
@@ -150,8 +82,6 @@ def resolve_corpus(corpus: str | Sequence[str]) -> list[CorpusFile]:
         if spec == STDLIB:
             entries = stdlib_files()
         elif spec == PYTHON:
-            from k3lit.data.python_corpus import python_files  # imports this module
-
             entries = python_files()
         else:
             path = Path(spec).expanduser()

@@ -35,7 +35,8 @@ import numpy as np
 import tokenizers
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from k3lit.data.corpus import CorpusFile, Split, doc_hash, iter_documents, iter_split, resolve_corpus, split_cut
+from k3lit.data.corpus import Split, doc_hash, iter_documents, iter_split, resolve_corpus, split_cut
+from k3lit.data.corpus_file import CorpusFile
 from k3lit.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, parse_tokenizer_spec
 
 FORMAT_VERSION = 1

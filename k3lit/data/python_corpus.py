@@ -41,9 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from k3lit.data.corpus import PYTHON, CorpusFile, stdlib_root
+from k3lit.data.corpus_file import CorpusFile
+from k3lit.data.stdlib_corpus import stdlib_root
 
 __all__ = ["PYTHON", "PythonScan", "SourceRoot", "python_files", "python_roots", "scan_python_sources"]
+
+PYTHON = "python"
+"""Name of this built-in corpus."""
 
 SUFFIXES = frozenset({".py", ".pyi", ".md", ".rst"})
 """File name endings the corpus takes (compared in lower case)."""

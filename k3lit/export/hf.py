@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from k3lit.data.datamodule import K3DataModule
 from k3lit.data.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer
 from k3lit.data.tokenizer import Tokenizer as K3Tokenizer
+from k3lit.lightning_compat import init_args
 from k3lit.train.checkpoint import load_model_checkpoint
 
 MODELING = Path(__file__).with_name("modeling_k3lit.py")
@@ -36,7 +37,6 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     """
     from safetensors.torch import save_file
 
-    from k3lit.cli import _init_args
     from k3lit.data.datamodule import tokenizer_from_state
 
     whole = load_model_checkpoint(ckpt)
@@ -48,7 +48,7 @@ def export_hf(ckpt: str | Path, out: str | Path) -> Path:
     if state is not None:
         tok = tokenizer_from_state(state)
     else:
-        tok = K3DataModule(**_init_args(whole["datamodule_hyper_parameters"])).tokenizer
+        tok = K3DataModule(**init_args(whole["datamodule_hyper_parameters"])).tokenizer
     saved_json = state.get("tokenizer_json") if state is not None else None
     hf_tok = Tokenizer.from_str(saved_json) if saved_json else _tokenizers_file(tok)
     del whole

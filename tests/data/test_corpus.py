@@ -11,9 +11,8 @@ from k3lit.data.corpus import (
     resolve_corpus,
     split_cut,
     split_of,
-    stdlib_files,
-    stdlib_root,
 )
+from k3lit.data.stdlib_corpus import stdlib_files, stdlib_root
 
 
 def test_split_is_deterministic_and_disjoint(text_corpus):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import k3lit.data.python_corpus as pc
-from k3lit.data.corpus import iter_split, resolve_corpus, split_cut, split_of, stdlib_root
+from k3lit.data.corpus import iter_split, resolve_corpus, split_cut, split_of
 from k3lit.data.prepare import prepare_corpus
 from k3lit.data.python_corpus import (
     MAX_FILE_BYTES,
@@ -16,6 +16,7 @@ from k3lit.data.python_corpus import (
     python_roots,
     scan_python_sources,
 )
+from k3lit.data.stdlib_corpus import stdlib_root
 
 
 def _write(path: Path, data: bytes | str) -> None:

@@ -19,6 +19,7 @@ from k3lit.ops.routing import (
     route,
     sliding_average,
 )
+from tests.parallel._dist import run_workers
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:
@@ -366,10 +367,7 @@ def test_moe_quantile_balancer_balances_a_skewed_router(seed):
     assert vio[0] > 0.5 and min(vio[-3:]) < 0.08, vio
 
 
-def _pooled_worker(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _pooled_worker(rank: int, world: int, path: str) -> None:
     torch.manual_seed(0)  # same weights on every rank
     moe = MoE(16, 8, 2, 16).train()
     free = MoE(16, 8, 2, 16, balancer="aux_free", bias_update_rate=0.01).train()
@@ -383,19 +381,11 @@ def _pooled_worker(rank: int, world: int, port: int, path: str) -> None:
     moe.update_balancer()
     free.update_balancer()
     torch.save({"bias": moe.expert_bias, "free": free.expert_bias, "xs": xs, "loads": loads}, f"{path}.{rank}")
-    dist.destroy_process_group()
 
 
 def test_update_pools_all_ranks(tmp_path):
     """Two gloo ranks with different batches end with the same bias: the quantile of the pooled scores."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_pooled_worker, args=(2, port, str(tmp_path / "out")), nprocs=2)
+    run_workers(_pooled_worker, 2, str(tmp_path / "out"), tmp_path=tmp_path)
     outs = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     torch.manual_seed(0)
     moe = MoE(16, 8, 2, 16)
@@ -408,10 +398,7 @@ def test_update_pools_all_ranks(tmp_path):
         torch.testing.assert_close(o["free"], sign_bias_update(torch.zeros(8), total, 0.01))
 
 
-def _local_sync_worker(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _local_sync_worker(rank: int, world: int, path: str) -> None:
     torch.manual_seed(0)  # same weights on every rank
     moe = MoE(16, 8, 2, 16, quantile_rate=0.5, sync_every=2).train()
     torch.manual_seed(100 + rank)
@@ -421,20 +408,12 @@ def _local_sync_worker(rank: int, world: int, port: int, path: str) -> None:
         moe.update_balancer()
         biases.append(moe.expert_bias.clone())
     torch.save({"xs": xs, "biases": biases}, f"{path}.{rank}")
-    dist.destroy_process_group()
 
 
 def test_local_estimates_sync_every_n_steps(tmp_path):
     """sync_every=2 on two gloo ranks: step 1 moves each rank's bias by its own tokens' estimate, step 2 ends
     with the mean of the ranks' running estimates."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_local_sync_worker, args=(2, port, str(tmp_path / "out")), nprocs=2)
+    run_workers(_local_sync_worker, 2, str(tmp_path / "out"), tmp_path=tmp_path)
     outs = [torch.load(tmp_path / f"out.{r}") for r in range(2)]
     torch.manual_seed(0)
     moe = MoE(16, 8, 2, 16)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from k3lit.parallel.process_exit import exit_process
 
 
 def free_port() -> int:
@@ -30,11 +32,12 @@ def one_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, value)
 
 
-def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile: str) -> None:
+def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile: str) -> NoReturn:
     # Native (C++) messages, e.g. gloo's before an abort, go to a file the parent shows if this rank dies.
     log = os.open(f"{errfile}.stderr.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 2)
     torch.set_num_threads(1)
+    code = 0
     try:
         # A file store, not a TCP port: no race with another test's processes for a freed port.
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -43,15 +46,12 @@ def _entry(rank: int, world: int, store: str, fn: Callable, args: tuple, errfile
     except BaseException:
         with open(f"{errfile}.{rank}", "w") as f:
             f.write(traceback.format_exc())
-        raise
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Leave without interpreter finalisation: gloo's worker threads can still hold work objects whose destruction
-    # during shutdown aborts a rank that has already passed ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # torch's C++ threads are still alive: interpreter finalisation could abort this rank (k3lit.parallel.process_exit)
+    exit_process(code)
 
 
 def peers_equal(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> bool:
