@@ -201,7 +201,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         cells = [f"{b['bpb']:.4f}" if b["bpb"] is not None else "-" for b in r["buckets"]]
         cells += ["-"] * (len(edges) - len(cells))
-        rows.append([f"{r['length']:,}", str(r["blocks"]), *cells, f"{r['bpb']:.4f}" if r["bpb"] else "-"])
+        rows.append([f"{r['length']:,}", str(r["blocks"]), *cells, f"{r['bpb']:.4f}" if r["bpb"] is not None else "-"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
 
