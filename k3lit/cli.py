@@ -1,9 +1,11 @@
-"""The ``k3lit`` command: LightningCLI sub-commands (fit, validate, test, predict) plus prepare, generate and slurm.
+"""The ``k3lit`` command: LightningCLI sub-commands (fit, validate, test, predict) plus prepare, generate, export,
+positions and slurm.
 
     k3lit fit --config recipes/tiny.yaml --model.n_layers=4 --trainer.max_steps=100
     k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume (architecture from the checkpoint)
     k3lit prepare --config recipes/tiny.yaml                       # tokenise the corpus into litdata chunks
     k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt --prompt "def "
+    k3lit positions --ckpt runs/tiny/checkpoints/last.ckpt --png positions.png  # bpb by position, longer inputs
     k3lit slurm --config recipes/small.yaml --nodes 1 --gpus_per_node 1 > job.sbatch  # see k3lit.slurm
 
 Recipes have four sections: ``model`` (:class:`~k3lit.model.ModelConfig`), ``optim``
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import sys
@@ -46,7 +49,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from k3lit import lightning_compat as compat
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
-from k3lit.model import RUNTIME_FIELDS, ModelConfig, check_sampling
+from k3lit.model import K3LM, RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
 from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
@@ -269,6 +272,17 @@ def prepare_main(argv: list[str]) -> None:
     print(dm.describe())
 
 
+def _checkpoint_model(ckpt: dict, **runtime: Any) -> K3LM:
+    """The K3LM of a loaded checkpoint (:func:`load_model_checkpoint`) on the CPU in eval mode, with ``runtime``
+    :data:`~k3lit.model.RUNTIME_FIELDS` of its config replaced (e.g. ``activation_checkpointing="none"``)."""
+    init = compat.init_args(ckpt["hyper_parameters"])
+    if runtime:
+        init["model"] = dataclasses.replace(init["model"], **runtime)
+    module = K3LitModule(**init)
+    module.load_state_dict(ckpt["state_dict"])
+    return module.model.eval()
+
+
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
@@ -283,9 +297,7 @@ def generate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     ckpt = load_model_checkpoint(args.ckpt)
-    module = K3LitModule(**compat.init_args(ckpt["hyper_parameters"]))
-    module.load_state_dict(ckpt["state_dict"])
-    model = module.model.to(args.device).eval()
+    model = _checkpoint_model(ckpt).to(args.device)
     if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
@@ -297,6 +309,68 @@ def generate_main(argv: list[str]) -> None:
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, gen)
     print(tok.decode(out[0].tolist()))
+
+
+def positions_main(argv: list[str]) -> None:
+    """``k3lit positions``: held-out bits per byte by position bucket at several sequence lengths, up to and beyond
+    the checkpoint's training length (see :mod:`k3lit.train.positions`)."""
+    from k3lit.train import positions as pos
+
+    parser = ArgumentParser(prog="k3lit positions", description=positions_main.__doc__)
+    parser.add_argument("--ckpt", type=str, required=True,
+                        help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="evaluation lengths in tokens, e.g. 2048 8192 32768; default: 1, 4 and 16 times the "
+                             "checkpoint's data.seq_len")
+    parser.add_argument("--blocks", type=int, default=8,
+                        help="held-out blocks per length, the first in file order (fewer if the split holds fewer)")
+    parser.add_argument("--bucket_base", type=int | None, default=None,
+                        help="first bucket edge B: buckets [0,B), [B,2B), [2B,4B), ...; default the training seq_len")
+    for key, kind in (("corpus", str | list[str] | None), ("tokenizer", str | None), ("cache_dir", str | None),
+                      ("val_fraction", float | None)):
+        parser.add_argument(f"--data.{key}", type=kind, default=None, help=f"default: the checkpoint's data.{key}")
+    parser.add_argument("--device", type=str, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", type=Literal["bf16-mixed", "32-true"] | None, default=None,
+                        help="bf16-mixed: the forward under bf16 autocast; default bf16-mixed on CUDA, else 32-true")
+    parser.add_argument("--json", type=str | None, default=None, help="write the results to this JSON file")
+    parser.add_argument("--png", type=str | None, default=None, help="draw bpb against position bucket into this PNG")
+    args = parser.parse_args(argv)
+    if args.blocks < 1 or any(n < 1 for n in args.lengths or []):
+        raise ValueError(f"--blocks {args.blocks} --lengths {args.lengths}: each must be >= 1")
+    ckpt = load_model_checkpoint(args.ckpt)
+    data = {**compat.init_args(ckpt.get("datamodule_hyper_parameters", {})),
+            **{k: v for k, v in vars(args.data).items() if v is not None}}
+    train_len = data.get("seq_len")
+    if train_len is None and (args.lengths is None or args.bucket_base is None):
+        raise ValueError(f"{args.ckpt} records no data.seq_len: pass --lengths and --bucket_base")
+    lengths = args.lengths or [train_len, 4 * train_len, 16 * train_len]
+    edges = pos.bucket_edges(max(lengths), args.bucket_base or train_len)
+    prepared = K3DataModule(**data).prepared
+    pos.check_same_tokenizer(prepared.tokenizer, ckpt.get(K3DataModule.__qualname__))
+    device = torch.device(args.device)
+    model = _checkpoint_model(ckpt, activation_checkpointing="none", checkpoint_blocks=None).to(device)
+    byte_table = torch.from_numpy(prepared.tokenizer.token_bytes()).to(device)
+    bf16 = (args.precision or ("bf16-mixed" if device.type == "cuda" else "32-true")) == "bf16-mixed"
+    results = []
+    for length in lengths:
+        count, blocks = pos.held_out_blocks(prepared, length, args.blocks)
+        if count < args.blocks:
+            print(f"length {length:,}: the held-out split holds {count} blocks of {length + 1:,} tokens; using {count}")
+        results.append(pos.evaluate_length(model, blocks, byte_table, edges, torch.bfloat16 if bf16 else None))
+    print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "
+          f"{prepared.root / 'val'}\n(packed documents joined by eos, read as blocks of length + 1 tokens in file "
+          "order; KDA state and attention run across document boundaries within a block, as in training)")
+    print(pos.format_table(results))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"checkpoint": str(args.ckpt), "train_seq_len": train_len,
+                                               "edges": edges, "split": str(prepared.root / "val"),
+                                               "precision": "bf16-mixed" if bf16 else "32-true",
+                                               "results": results}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.png:
+        pos.plot_positions(results, f"{Path(args.ckpt).name}: trained at {train_len} tokens", Path(args.png))
+        print(f"wrote {args.png}")
 
 
 def export_main(argv: list[str]) -> None:
@@ -316,6 +390,7 @@ EXTRA_COMMANDS = """k3lit commands besides Lightning's (fit, validate, test, pre
   k3lit prepare --config RECIPE          tokenise the recipe's corpus into litdata chunks
   k3lit generate --ckpt CKPT --prompt S  sample from a checkpoint (file or distributed-checkpoint folder)
   k3lit export --ckpt CKPT --out DIR     a Hugging Face folder (AutoModelForCausalLM, trust_remote_code)
+  k3lit positions --ckpt CKPT            held-out bits per byte by position, at and beyond the training length
   k3lit slurm --config RECIPE --nodes N --gpus_per_node G ...   render an sbatch script
 Each takes --help.
 """
@@ -333,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
             return generate_main(args[1:])
         if args and args[0] == "export":
             return export_main(args[1:])
+        if args and args[0] == "positions":
+            return positions_main(args[1:])
         if args and args[0] == "slurm":
             from k3lit.slurm import slurm_main
 

@@ -337,6 +337,13 @@ class K3LM(nn.Module):
             h, new_states = self._forward_train(x), None
         return self.lm_head(self.norm(h)), new_states  # [B, T, vocab]
 
+    def final_hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The LM head's input for ``idx`` (int64 ``[B, T]``): the final normalised hidden states ``[B, T, dim]`` of
+        the training forward (no states), so that ``forward(idx)[0] == lm_head(final_hidden(idx))``. For callers
+        that apply the head to a few positions at a time (a long sequence's ``[T, vocab]`` logits at once may not
+        fit in memory)."""
+        return self.norm(self._forward_train(self.embed(idx)))
+
     def _forward_with_states(self, x: torch.Tensor, states: list[Any]) -> tuple[torch.Tensor, list[Any]]:
         new_states = []
         if self.config.residual == "plain":

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -62,6 +63,14 @@ class Tokenizer(ABC):
         """``[encode(t) for t in texts]``; subclasses may do it in parallel."""
         return [self.encode(t) for t in texts]
 
+    @abstractmethod
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for: ``int64 [vocab_size]``, 0 for eos and other special tokens.
+
+        Summed over a document's ids it gives the document's UTF-8 length, the ``n_bytes`` that prepare counts
+        (:mod:`k3lit.data.prepare`), so bits per byte over any set of tokens is ``sum(nats) / ln 2 /
+        sum(token_bytes[ids])``."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(spec={self.spec!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
@@ -84,6 +93,11 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> np.ndarray:
+        table = np.ones(self.vocab_size, dtype=np.int64)
+        table[self.eos_id] = 0
+        return table
 
     def fingerprint(self) -> str:
         return hashlib.sha256(b"k3lit-byte-tokenizer-v1").hexdigest()
@@ -146,6 +160,21 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self) -> np.ndarray:
+        """See :meth:`Tokenizer.token_bytes`. Exact for byte-level tokenizers (``ByteLevel`` decoder, as
+        ``bpe:N`` trains): each character of a vocabulary entry stands for one byte. Other tokenizers count the
+        UTF-8 bytes of each id decoded alone, which over- or under-counts ids that hold part of a character
+        (byte-fallback pieces) or whose text the decoder changes in context (a leading-space marker)."""
+        table = np.zeros(self.vocab_size, dtype=np.int64)
+        added = self._tok.get_added_tokens_decoder()  # id -> AddedToken: specials stand for no text
+        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i in added:
+                table[i] = 0 if added[i].special else len(token.encode("utf-8"))
+            else:
+                table[i] = len(token) if byte_level else len(self.decode([i]).encode("utf-8"))
+        return table
 
     def fingerprint(self) -> str:
         return self._fingerprint

@@ -88,3 +88,14 @@ def test_hf_file_errors(tmp_path):
     noeos.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="no end-of-document token"):
         HFTokenizer(noeos)
+
+
+def test_token_bytes_sum_to_the_utf8_length_of_the_text(tmp_path):
+    """Summed over a text's ids, the byte table gives its UTF-8 length, also where BPE pieces split a character;
+    the end-of-document token stands for no byte."""
+    texts = SAMPLES + ["ünïcödé ✓✓ 你好你好 — naïve\n" * 3]
+    for tok in (ByteTokenizer(), train_bpe(_train_texts(), 320, tmp_path / "bpe.json")):
+        table = tok.token_bytes()
+        assert table.shape == (tok.vocab_size,) and table[tok.eos_id] == 0
+        for s in texts:
+            assert table[tok.encode(s) + [tok.eos_id]].sum() == len(s.encode("utf-8")), (tok, s)
