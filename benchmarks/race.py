@@ -1,6 +1,7 @@
 """The race: recipes trained for the same wall-clock time on one GPU, then held out on the same bytes.
 
     python benchmarks/race.py --minutes 6 --seeds 1234 1235 --json benchmarks/race_h200.json    # on the GPU
+    python benchmarks/race.py --seeds 1234 --recipes recipes/small.yaml --json F --append   # one run a call
     python benchmarks/race.py --from_json benchmarks/race_h200.json     # RESULTS.md section and PNG only
 
 Each run is a fresh ``k3lit fit`` process of a recipe as shipped, with ``trainer.max_time`` the budget and no step
@@ -168,6 +169,20 @@ def table(result: dict, png: str) -> str:
     return "\n".join(lines)
 
 
+def continued(earlier: dict, result: dict) -> dict:
+    """``result`` (a race just begun) holding ``earlier``'s runs and seeds too.
+
+    Raises:
+        SystemExit: ``earlier`` is another race: another time budget, validation size or held-out text.
+    """
+    keys = ("minutes", "val_batches", "same_bytes")
+    if any(earlier[k] != result[k] for k in keys):
+        raise SystemExit("--append: the stored runs are of another race (" + ", ".join(
+            f"{k} {earlier[k]} against {result[k]}" for k in keys if earlier[k] != result[k]) + ")")
+    seeds = sorted(set(earlier["seeds"]) | set(result["seeds"]))
+    return {**result, "runs": earlier["runs"] + result["runs"], "seeds": seeds}
+
+
 def race(a: argparse.Namespace) -> dict:
     """Prepare the recipes' corpus, then run every seed of every recipe (:func:`run`), one after the other; the
     raw result (written to ``a.json`` after each run).
@@ -184,6 +199,8 @@ def race(a: argparse.Namespace) -> dict:
     result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "env": versions(),
               "command": command(), "json": a.json or "", "runs": [],
               "same_bytes": same_bytes(a.recipes[0], a.final_batches)}
+    if a.append:  # runs of earlier invocations (one GPU call each)
+        result = continued(json.loads(Path(a.json).read_text()), result)
     for seed in a.seeds:
         for recipe in a.recipes:
             result["runs"].append(run(recipe, seed, a, out))
@@ -204,6 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/race", help="folder of the runs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
     p.add_argument("--json", help="write the raw runs here")
+    p.add_argument("--append", action="store_true", help="add the runs to those --json holds already (same race)")
     p.add_argument("--png", help="the curve (default: the JSON's path with .png)")
     p.add_argument("--from_json", help="only write RESULTS.md's section and the PNG from this file")
     return p

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import yaml
 
-from benchmarks.race import parser, plot, race, table
+from benchmarks.race import continued, parser, plot, race, table
 from k3lit.data.prepare import prepare_corpus
 
 MODEL = dict(dim=32, n_layers=2, n_heads=2, head_dim=16, mlp_hidden=64, tie_embeddings=True)
@@ -43,3 +44,13 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     assert f"{ref['bytes']:,} bytes" in text
     plot(result, tmp_path / "race.png")
     assert (tmp_path / "race.png").stat().st_size > 10_000
+
+
+def test_appended_runs_join_the_same_race_only():
+    ref = {"blocks": 2, "seq_len": 8, "bytes": 40, "gzip -9": 5.0, "xz -9e": 5.5}
+    earlier = {"minutes": 6.0, "val_batches": 25, "same_bytes": ref, "seeds": [1], "runs": [{"seed": 1}]}
+    now = {"minutes": 6.0, "val_batches": 25, "same_bytes": dict(ref), "seeds": [2], "runs": [], "env": {}}
+    merged = continued(earlier, now)
+    assert merged["runs"] == [{"seed": 1}] and merged["seeds"] == [1, 2] and merged["env"] == {}
+    with pytest.raises(SystemExit, match="minutes 6.0 against 8.0"):
+        continued(earlier, {**now, "minutes": 8.0})
