@@ -199,7 +199,7 @@ def race(a: argparse.Namespace) -> dict:
     result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "env": versions(),
               "command": command(), "json": a.json or "", "runs": [],
               "same_bytes": same_bytes(a.recipes[0], a.final_batches)}
-    if a.append:  # runs of earlier invocations (one GPU call each)
+    if a.append and a.json and Path(a.json).is_file():  # runs of earlier invocations (one GPU call each)
         result = continued(json.loads(Path(a.json).read_text()), result)
     for seed in a.seeds:
         for recipe in a.recipes:
@@ -221,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/race", help="folder of the runs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
     p.add_argument("--json", help="write the raw runs here")
-    p.add_argument("--append", action="store_true", help="add the runs to those --json holds already (same race)")
+    p.add_argument("--append", action="store_true", help="add the runs to those --json holds, if it exists (the same race)")
     p.add_argument("--png", help="the curve (default: the JSON's path with .png)")
     p.add_argument("--from_json", help="only write RESULTS.md's section and the PNG from this file")
     return p
