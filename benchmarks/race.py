@@ -221,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/race", help="folder of the runs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
     p.add_argument("--json", help="write the raw runs here")
-    p.add_argument("--append", action="store_true", help="add the runs to those --json holds, if it exists (the same race)")
+    p.add_argument("--append", action="store_true", help="add to the runs --json holds, if any (same race)")
     p.add_argument("--png", help="the curve (default: the JSON's path with .png)")
     p.add_argument("--from_json", help="only write RESULTS.md's section and the PNG from this file")
     return p
