@@ -119,7 +119,7 @@ class K3CLI(LightningCLI):
                                  "CUDA device without a sharding strategy, off otherwise")
         parser.add_argument("--compile_mode", type=str | None, default=None,
                             help="torch.compile's mode for the whole model on one device, e.g. 'reduce-overhead' "
-                                 "(CUDA graphs: the host launches each step's forward and backward as two graphs)")
+                                 "(CUDA graphs; models without KDA layers only)")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")

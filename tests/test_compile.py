@@ -70,3 +70,12 @@ def test_compile_default_is_on_for_one_cuda_device_only(device, asked):
     module.configure_model()  # compiles in place: every parameter keeps its state-dict name
     assert all(not n.startswith("_orig_mod") for n in module.state_dict())
     assert (module.model._compiled_call_impl is not None) is expected
+
+
+def test_cuda_graph_modes_are_refused_for_kda_models():
+    with pytest.raises(ValueError, match="does not run a model with KDA layers"):
+        K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16),
+                    compile_mode="reduce-overhead")
+    plain = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16),
+                        compile_mode="reduce-overhead")
+    assert plain.compile_mode == "reduce-overhead"

@@ -21,6 +21,8 @@ from k3lit.nn.moe import MoE
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
+
 # Checkpoints store the two configs as hyper-parameters; allow them under torch.load(weights_only=True).
 torch.serialization.add_safe_globals([ModelConfig, OptimConfig])
 
@@ -51,10 +53,14 @@ class K3LitModule(L.LightningModule):
             without a sharding strategy, where it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
         compile_mode: ``torch.compile``'s ``mode`` for the whole-model graph (None: its default), e.g.
             ``reduce-overhead``: CUDA graphs, so that the host launches a step's forward and backward as two graph
-            replays instead of thousands of kernels (the step's shapes are static).
+            replays instead of thousands of kernels (the step's shapes are static); for models without KDA layers
+            only (measured: no gain for ``small_plain`` through ``k3lit fit``, docs/DECISIONS.md).
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
+
+    Raises:
+        ValueError: a CUDA-graph ``compile_mode`` for a model with KDA layers.
     """
 
     def __init__(
@@ -66,6 +72,10 @@ class K3LitModule(L.LightningModule):
         empty_init: bool = False,
     ) -> None:
         super().__init__()
+        if compile_mode in CUDA_GRAPH_MODES and "K" in model.layer_pattern:
+            raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) does not run a model with KDA layers: "
+                             "the KDA kernels keep index tables built at their first call, which CUDA graph trees "
+                             "refuse; leave compile_mode unset")
         self.compile_model = compile
         self.compile_mode = compile_mode
         self.save_hyperparameters(ignore=["empty_init"])
@@ -255,7 +265,7 @@ class K3LitModule(L.LightningModule):
         ``(t - t_w) / (T - t_w)`` of the run's elapsed time t (Lightning's ``Timer``: the whole run, resumes and
         validation included), its budget T and the elapsed time t_w when warm-up ended; 0 during warm-up, before
         training starts and without a time limit."""
-        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None) if self._trainer else None
+        timer = self._timer()
         remaining = timer.time_remaining() if timer is not None else None
         if remaining is None or step < self.optim_config.warmup_steps or self.trainer.state.fn != "fit":
             return 0.0
@@ -268,8 +278,12 @@ class K3LitModule(L.LightningModule):
     def _elapsed_s(self) -> float:
         """Seconds since training started: Lightning's ``Timer`` (resumes included) under ``max_time``, else this
         process's training time."""
-        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        timer = self._timer()
         return timer.time_elapsed() if timer is not None else time.monotonic() - self._train_started
+
+    def _timer(self) -> Timer | None:
+        """Lightning's ``Timer`` of the attached trainer (present under ``trainer.max_time``), else None."""
+        return next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None) if self._trainer else None
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
