@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -86,11 +87,10 @@ def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
     steps = max(int(r["step"]) for r in fit_rows) + 1
     tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
     summary = folder.with_suffix(".fit.log").read_text()
-    first = next((line.split("first step", 1)[1].split()[0] for line in summary.splitlines() if "first step" in line),
-                 None)
+    first = re.search(r"first step\W+([0-9.]+) s after training started", summary)  # the run summary's row
     return {"recipe": recipe, "seed": seed, "steps": steps, "process_s": wall, "curve": curve(fit_rows),
             "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "first_step_s": float(first) if first else None}
+            "first_step_s": float(first[1]) if first else None}
 
 
 def same_bytes(recipe: str, batches: int) -> dict:
