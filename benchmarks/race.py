@@ -70,6 +70,12 @@ def clock(seconds: float) -> str:
     return f"00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def first_step_seconds(log: str) -> float | None:
+    """Seconds to the first step from a fit log's run summary row ("first step  77.2 s after training started")."""
+    found = re.search(r"first step\W+([0-9.]+) s after training started", log)
+    return float(found[1]) if found else None
+
+
 def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
     """One recipe and seed: fit for ``a.minutes``, then the final held-out pass; what both logged."""
     folder = out / f"{Path(recipe).stem}-{seed}"
@@ -87,10 +93,10 @@ def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
     steps = max(int(r["step"]) for r in fit_rows) + 1
     tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
     summary = folder.with_suffix(".fit.log").read_text()
-    first = re.search(r"first step\W+([0-9.]+) s after training started", summary)  # the run summary's row
+    first = first_step_seconds(summary)
     return {"recipe": recipe, "seed": seed, "steps": steps, "process_s": wall, "curve": curve(fit_rows),
             "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "first_step_s": float(first[1]) if first else None}
+            "first_step_s": first}
 
 
 def same_bytes(recipe: str, batches: int) -> dict:

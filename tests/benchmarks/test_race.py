@@ -54,3 +54,12 @@ def test_appended_runs_join_the_same_race_only():
     assert merged["runs"] == [{"seed": 1}] and merged["seeds"] == [1, 2] and merged["env"] == {}
     with pytest.raises(SystemExit, match="minutes 6.0 against 8.0"):
         continued(earlier, {**now, "minutes": 8.0})
+
+
+def test_first_step_seconds_reads_the_summary_row_not_the_compile_message():
+    from benchmarks.race import first_step_seconds
+
+    log = ("model: compiled blocks: the first steps compile it (--compile=false: eager)\n"
+           "  first step     77.2 s after training started (compilation included)\n")
+    assert first_step_seconds(log) == 77.2
+    assert first_step_seconds("the first steps compile it\n") is None
