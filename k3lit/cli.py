@@ -18,8 +18,11 @@ beside them as ``config.yaml``. A run shows its progress in optimizer steps agai
 ``trainer.val_check_interval`` as an integer counts optimizer steps over the whole run, whatever an epoch's
 length (``check_val_every_n_epoch`` defaults to null; with gradient accumulation Lightning gets
 ``val_check_interval x accumulate_grad_batches`` training batches); ``last.ckpt`` and the heatmap are written at
-the same interval (every 100 steps when it is not an integer) and when training ends. A fraction of an epoch, or
-an explicit ``check_val_every_n_epoch``, keeps Lightning's per-epoch meaning.
+the same interval and when training ends. A time (``DD:HH:MM:SS``) validates, checkpoints and plots every so many
+seconds of training; a fraction of an epoch, or an explicit ``check_val_every_n_epoch``, keeps Lightning's
+per-epoch meaning (``last.ckpt`` and the heatmap then every 100 steps). On one device and under DDP, ``last.ckpt``
+is written by a background thread while training goes on
+(:class:`~k3lit.train.checkpoint_background.BackgroundCheckpointIO`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import re
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -42,7 +46,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -53,6 +57,7 @@ from k3lit.model import K3LM, RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
 from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
+from k3lit.train.checkpoint_background import BackgroundCheckpointIO
 from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
@@ -62,7 +67,7 @@ from k3lit.train.progress import ProgressLines, StepProgressBar
 from k3lit.train.quiet import quiet_third_party
 from k3lit.train.summary import RunSummary
 
-DEFAULT_EVERY_N_STEPS = 100  # checkpoint and heatmap interval when val_check_interval is no step count
+DEFAULT_EVERY_N_STEPS = 100  # checkpoint and heatmap interval when val_check_interval is neither steps nor a time
 
 
 def _instantiate(parser: ArgumentParser, cfg: Any) -> Any:
@@ -133,7 +138,8 @@ class K3CLI(LightningCLI):
         self.datamodule = self._value(self.config_init, "data")
         self.trainer = self.instantiate_trainer(**self._trainer_kwargs())
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured one
-            self.trainer.strategy.checkpoint_io = DirectCheckpointIO()
+            one_file = type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)  # rank 0 writes one file
+            self.trainer.strategy.checkpoint_io = BackgroundCheckpointIO() if one_file else DirectCheckpointIO()
         if isinstance(self.trainer.accelerator, CUDAAccelerator):
             torch.set_float32_matmul_precision(self._value(self.config_init, "float32_matmul_precision", "high"))
         model_cfg: ModelConfig = self._value(self.config_init, "model")
@@ -235,6 +241,7 @@ class K3CLI(LightningCLI):
                 out["val_check_interval"] = every * (cfg.get("accumulate_grad_batches") or 1)
             elif every is None or isinstance(every, float):  # a fraction of an epoch (or once per epoch)
                 out["check_val_every_n_epoch"] = 1
+        seconds = compat.time_interval_seconds(every) if isinstance(every, (str, dict, timedelta)) else None
         every = every if steps and every > 0 else DEFAULT_EVERY_N_STEPS
         if cfg.get("logger") in (None, True):
             out["logger"] = [
@@ -242,10 +249,11 @@ class K3CLI(LightningCLI):
                 RunCSVLogger(root),  # append: set in instantiate_classes, once the checkpoint is resolved
             ]
         callbacks = list(cfg.get("callbacks") or [])
-        if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            callbacks.append(LastCheckpoint(root / "checkpoints", every))  # and when training ends
-        if not any(isinstance(c, ExpertLoadPlots) for c in callbacks):
-            callbacks.append(ExpertLoadPlots(every))  # writes nothing for a model without MoE layers
+        if not any(isinstance(c, ModelCheckpoint) for c in callbacks):  # and when training ends
+            callbacks.append(LastCheckpoint(root / "checkpoints", every_n_train_steps=None if seconds else every,
+                                            train_time_interval=timedelta(seconds=seconds) if seconds else None))
+        if not any(isinstance(c, ExpertLoadPlots) for c in callbacks):  # writes nothing for a model without MoE
+            callbacks.append(ExpertLoadPlots(None if seconds else every))  # None: at each validation
         for kind in (K3ThroughputMonitor, SlurmRequeue, RunSummary):
             if not any(isinstance(c, kind) for c in callbacks):
                 callbacks.append(kind())

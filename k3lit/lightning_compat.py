@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import lightning
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SUPPORTED_LIGHTNING", "PRIVATE_METHODS", "check_lightning_version", "init_args", "resolve_ckpt_path",
-    "hpc_save_path", "should_update_logs", "accumulating", "log_metrics", "throughputs", "save_last_checkpoint",
+    "hpc_save_path", "time_interval_seconds", "should_update_logs", "accumulating", "log_metrics", "throughputs", "save_last_checkpoint",
     "setup_distributed", "set_device_mesh", "rewrite_metrics_header", "csv_writer", "set_csv_writer",
 ]
 
@@ -119,6 +120,18 @@ def save_last_checkpoint(callback: ModelCheckpoint, trainer: lightning.Trainer) 
     already (or saving is off for this trainer state, e.g. during a sanity check)."""
     if not callback._should_skip_saving_checkpoint(trainer):
         callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def time_interval_seconds(value: str | dict | timedelta) -> float:
+    """Seconds of a time-based ``val_check_interval`` as Lightning reads it (``"DD:HH:MM:SS"``, a dict of
+    ``timedelta`` arguments or a ``timedelta``; Lightning >= 2.6).
+
+    Raises:
+        ValueError: a value Lightning does not read as a time (its message).
+    """
+    from lightning.pytorch.trainer.setup import _parse_time_interval_seconds
+
+    return _parse_time_interval_seconds(value)
 
 
 # -- logging -------------------------------------------------------------------------------------------------------

@@ -79,3 +79,19 @@ def test_cuda_graph_modes_are_refused_for_kda_models():
     plain = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16),
                         compile_mode="reduce-overhead")
     assert plain.compile_mode == "reduce-overhead"
+
+
+def test_validation_runs_the_compiled_model_eagerly():
+    """A no-grad validation batch would compile a second graph; ``validation_step`` runs the model as written."""
+    from torch._dynamo.testing import CompileCounter
+
+    module = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16,
+                                     kda_backend="torch"))
+    frames = CompileCounter()
+    module.model.compile(backend=frames)
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        module.validation_step(batch, 0)
+    assert frames.frame_count == 0 and module.val_loss.compute().isfinite()
+    module.training_step(batch, 0)
+    assert frames.frame_count > 0  # the same compiled model: training traces it

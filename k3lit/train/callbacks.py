@@ -14,18 +14,21 @@ import subprocess
 import threading
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from k3lit import lightning_compat as compat
+from k3lit.train.checkpoint_background import finish_writes
 from k3lit.train.flops import compute_dtype, peak_flops, training_flops
 from k3lit.train.run_dir import move_aside
 
@@ -212,6 +215,7 @@ class SlurmRequeue(Callback):
             return
         path = self._checkpoint_path(trainer)
         trainer.save_checkpoint(path)  # every rank: sharded checkpoints write one shard per rank
+        finish_writes(trainer)  # on disk before the job can be requeued
         self.requeued_at_step = trainer.global_step
         rank_zero_info(f"k3lit: saved {path} at step {trainer.global_step}; requeueing job {self._job_id()}")
         trainer.should_stop = True
@@ -223,6 +227,7 @@ class SlurmRequeue(Callback):
         # (ours, and ModelCheckpoint's at the end of the epoch) must be complete on every rank first.
         if self.requeued_at_step is None:
             return
+        finish_writes(trainer)
         trainer.strategy.barrier("SlurmRequeue")
         if trainer.is_global_zero:
             out = subprocess.run(["scontrol", "requeue", self._job_id()], capture_output=True, text=True)
@@ -256,20 +261,29 @@ class SlurmRequeue(Callback):
 
 
 class LastCheckpoint(ModelCheckpoint):
-    """``last.ckpt`` every ``every_n_train_steps`` steps **and** when training ends (max_steps, max_time, a stop).
+    """``last.ckpt`` every ``every_n_train_steps`` steps (or every ``train_time_interval`` of training) **and** when
+    training ends (max_steps, max_time, a stop).
 
-    Lightning's triggers are exclusive: with ``every_n_train_steps`` set nothing is saved at the end of training,
-    and after validation ``last`` is written only next to a top-k file. So the periodic save uses the step trigger
-    and :meth:`on_train_end` writes the final state unless this step is already saved.
+    Lightning's triggers are exclusive: with a step or time trigger set nothing is saved at the end of training,
+    and after validation ``last`` is written only next to a top-k file. So the periodic save uses the step or time
+    trigger and :meth:`on_train_end` writes the final state unless this step is already saved.
 
     There is one ``last.ckpt`` per folder, the one ``--ckpt_path last``, ``k3lit generate`` and ``make generate``
     read: a run that does not resume (``resume=False``) first moves an earlier run's ``last.ckpt`` aside to
     ``previous.<n>.ckpt`` (with a warning naming it), where Lightning would write ``last-v1.ckpt`` beside it.
+
+    Raises:
+        MisconfigurationException: both or neither of ``every_n_train_steps`` and ``train_time_interval`` (Lightning's
+            check), or a negative interval.
     """
 
-    def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int, resume: bool = False) -> None:
+    def __init__(self, dirpath: str | os.PathLike, every_n_train_steps: int | None = None, resume: bool = False,
+                 train_time_interval: timedelta | None = None) -> None:
+        if (every_n_train_steps is None) == (train_time_interval is None):
+            raise MisconfigurationException("LastCheckpoint: give every_n_train_steps or train_time_interval, not "
+                                            f"both or neither (got {every_n_train_steps}, {train_time_interval})")
         super().__init__(dirpath=dirpath, save_last=True, save_top_k=0, every_n_train_steps=every_n_train_steps,
-                         enable_version_counter=False)
+                         train_time_interval=train_time_interval, enable_version_counter=False)
         self.resume = resume
 
     @override

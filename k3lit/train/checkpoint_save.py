@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from typing_extensions import override
 
 __all__ = ["K3Trainer", "DirectCheckpointIO", "staged_paths", "commit", "settle", "settle_folder", "is_local_path"]
@@ -103,6 +104,8 @@ class DirectCheckpointIO(TorchCheckpointIO):
     it: no copy of the checkpoint in memory or in the system temporary folder. Not atomic by itself: :class:`K3Trainer`
     hands it the ``.partial`` path. Remote paths keep Lightning's writing."""
 
+    stages_itself = False  # K3Trainer stages the save: this IO gets <path>.partial
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
@@ -118,14 +121,22 @@ class DirectCheckpointIO(TorchCheckpointIO):
 class K3Trainer(L.Trainer):
     """Lightning's Trainer whose :meth:`save_checkpoint` (every checkpoint of a run: ``last.ckpt``, SLURM requeue,
     any ``ModelCheckpoint``) never leaves a half-written checkpoint at a local path, a single file or a sharded folder
-    alike (see the module docstring). Remote paths and an asynchronous checkpoint IO keep Lightning's saving."""
+    alike (see the module docstring). A checkpoint IO that stages its writes itself (``stages_itself``:
+    :class:`~k3lit.train.checkpoint_background.BackgroundCheckpointIO`) gets the final path; its write may still run
+    when the save returns during ``fit``, and has finished when it returns outside ``fit``. Remote paths and
+    Lightning's asynchronous checkpoint IO keep Lightning's saving."""
 
     @override
     def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool | None = None,
                         storage_options: Any | None = None) -> None:
-        if (self.model is None or not is_local_path(filepath)
-                or isinstance(self.strategy.checkpoint_io, AsyncCheckpointIO)):
+        io = self.strategy.checkpoint_io
+        if self.model is None or not is_local_path(filepath) or isinstance(io, AsyncCheckpointIO):
             return super().save_checkpoint(filepath, weights_only, storage_options)
+        if getattr(io, "stages_itself", False):
+            super().save_checkpoint(filepath, weights_only, storage_options)
+            if not (self.state.fn == TrainerFn.FITTING and self.state.status == TrainerStatus.RUNNING):
+                io.wait()
+            return None
         if self.is_global_zero:
             settle(filepath)  # no stale .partial of a killed save under the new one
         self.strategy.barrier("K3Trainer.save_checkpoint")
@@ -134,6 +145,7 @@ class K3Trainer(L.Trainer):
         if self.is_global_zero:
             commit(filepath)
         self.strategy.barrier("K3Trainer.save_checkpoint")
+        return None
 
 
 def _is_real_dir(p: Path) -> bool:

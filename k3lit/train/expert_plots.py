@@ -1,13 +1,15 @@
 """ExpertLoadPlots: a layer x expert heatmap of the MoE load, as PNG files and TensorBoard images.
 
-On by default in ``k3lit fit`` (every ``val_check_interval`` steps); to plot at another interval:
+On by default in ``k3lit fit`` (every ``val_check_interval``: steps, or at each validation when it is a time); to
+plot at another interval:
 
     k3lit fit --config recipes/tiny.yaml --trainer.callbacks+=k3lit.train.expert_plots.ExpertLoadPlots \\
         --trainer.callbacks.every_n_steps=50
 
 Reads ``K3LitModule.last_expert_fraction`` (``[L_moe, n]`` share of routed slots per expert of the latest optimizer
 step, synced over ranks by :class:`~k3lit.train.metrics.ExpertLoad`, kept on the training device: copied to the host
-only here) every ``every_n_steps`` optimizer steps and once at the end of training, and draws ``fraction · n`` (1.0 =
+only here) every ``every_n_steps`` optimizer steps (or at the end of each validation during ``fit``) and once at the
+end of training, and draws ``fraction · n`` (1.0 =
 perfectly balanced) with a diverging colour map centred on 1. Files go to ``<log_dir>/expert_load/step{N:07d}.png``; a
 TensorBoard logger, if any, gets the same image under ``expert_load/heatmap``. Rank zero only; matplotlib with the Agg
 backend. Nothing is written for a model without MoE layers.
@@ -21,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 __all__ = ["ExpertLoadPlots", "render_heatmap"]
@@ -65,15 +68,17 @@ class ExpertLoadPlots(L.Callback):
     """Write a layer x expert load heatmap every ``every_n_steps`` optimizer steps and at the end of training.
 
     Args:
-        every_n_steps: plot interval in optimizer steps (>= 1).
+        every_n_steps: plot interval in optimizer steps (>= 1); None: at the end of every validation that runs during
+            ``fit`` (the latest training step's load; validation starts on every rank together, so a time-based
+            ``val_check_interval`` paces the plots without each rank reading its own clock).
         dirpath: folder for the PNG files; default ``<trainer.log_dir or default_root_dir>/expert_load``.
 
     Raises:
         ValueError: ``every_n_steps < 1``.
     """
 
-    def __init__(self, every_n_steps: int = 100, dirpath: str | None = None) -> None:
-        if every_n_steps < 1:
+    def __init__(self, every_n_steps: int | None = 100, dirpath: str | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"ExpertLoadPlots: every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.dirpath = dirpath
@@ -102,9 +107,19 @@ class ExpertLoadPlots(L.Callback):
                 logger.experiment.add_image("expert_load/heatmap", rgb, global_step=step, dataformats="HWC")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.every_n_steps is not None and trainer.global_step % self.every_n_steps == 0:
+            self._plot_once(trainer, pl_module)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.every_n_steps is None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._plot_once(trainer, pl_module)
+
+    def _plot_once(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Plot this optimizer step unless it is step 0 or plotted already (gradient accumulation calls the batch
+        hook several times a step; the decision is the same on every rank)."""
         step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
-            self._last_step = step  # once per optimizer step, also under gradient accumulation; same on all ranks
+        if step > 0 and step != self._last_step:
+            self._last_step = step
             self._plot(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

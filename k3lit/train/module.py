@@ -51,6 +51,9 @@ class K3LitModule(L.LightningModule):
             (KDA, the short convolution and AttnRes are custom ops inside it), every sublayer under a sharding
             strategy (FSDP2 hooks sit between sublayers, as in torchtitan). None (default): on for one CUDA device
             without a sharding strategy, where it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
+            Training steps only: validation runs the same modules eagerly
+            (``torch.compiler.set_stance("force_eager")``), since a no-grad graph would compile a second time for
+            tens of seconds (``small`` on an H200) to save a few milliseconds a batch.
         compile_mode: ``torch.compile``'s ``mode`` for the whole-model graph (None: its default), e.g.
             ``reduce-overhead``: CUDA graphs, so that the host launches a step's forward and backward as two graph
             replays instead of thousands of kernels (the step's shapes are static); for models without KDA layers
@@ -226,7 +229,8 @@ class K3LitModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss = self._loss(batch)
+        with torch.compiler.set_stance("force_eager"):  # see ``compile`` in the class docstring
+            loss = self._loss(batch)
         self.val_loss.update(loss, weight=batch[:, 1:].numel())
         if moes := self.model.moe_layers():
             self._update_load(self.val_load, moes)
