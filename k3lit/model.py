@@ -309,12 +309,17 @@ class K3LM(nn.Module):
         recording while autograd recomputes), instead of breaking the graph at every checkpointed segment; and AOT
         autograd's cache (a process-wide setting) is allowed to keep the graph although it holds a custom
         ``autograd.Function``."""
-        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-        # AOT autograd's cache passes over graphs that hold a custom autograd.Function (the segments' _Group) unless
-        # told otherwise; the graph it keys on holds the function's traced forward and backward, so a run with
-        # filled caches reuses the compiled step instead of tracing its backward again
-        torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
+        _compile_settings()
         super().compile(*args, **kwargs)
+
+    def compile_sublayers(self, **kwargs: Any) -> None:
+        """``compile(**kwargs)`` on every sublayer in place (regional compilation: sublayers of one kind share their
+        compiled code, so a model compiles a handful of graphs whatever its depth), with :meth:`compile`'s
+        process-wide settings. The embedding, the residual (the AttnRes depth mixes between sublayers) and the head
+        run eagerly."""
+        _compile_settings()
+        for sub in self.sublayers:
+            sub.compile(**kwargs)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules in depth order (found once: the training step asks several times)."""
@@ -439,6 +444,15 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _compile_settings() -> None:
+    """What compiling a K3LM needs from dynamo and AOT autograd (process-wide; :meth:`K3LM.compile`)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    # AOT autograd's cache passes over graphs that hold a custom autograd.Function (the segments' _Group) unless
+    # told otherwise; the graph it keys on holds the function's traced forward and backward, so a run with
+    # filled caches reuses the compiled step instead of tracing its backward again
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
 
 def _checkpoint_mode(policy: str, moes: list[MoE]) -> str:

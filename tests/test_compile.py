@@ -69,7 +69,18 @@ def test_compile_default_is_on_for_one_cuda_device_only(device, asked):
     assert module.compiles() is expected
     module.configure_model()  # compiles in place: every parameter keeps its state-dict name
     assert all(not n.startswith("_orig_mod") for n in module.state_dict())
-    assert (module.model._compiled_call_impl is not None) is expected
+    assert [sub._compiled_call_impl is not None for sub in module.model.sublayers] == [expected] * 4
+    assert module.model._compiled_call_impl is None  # regional by default: the sublayers, not the model
+
+
+def test_compile_scope_model_compiles_the_whole_model_and_an_unknown_scope_is_refused():
+    module = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16), compile=True,
+                         compile_scope="model")
+    module.configure_model()
+    assert module.model._compiled_call_impl is not None
+    assert all(sub._compiled_call_impl is None for sub in module.model.sublayers)
+    with pytest.raises(ValueError, match="compile_scope='layers': choose 'sublayers' or 'model'"):
+        K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16), compile_scope="layers")
 
 
 def test_cuda_graph_modes_are_refused_for_kda_models():

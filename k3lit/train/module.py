@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -47,14 +47,19 @@ class K3LitModule(L.LightningModule):
     Args:
         model: the architecture.
         optim: optimizer and schedule (defaults of :class:`OptimConfig` when None).
-        compile: ``torch.compile`` in :meth:`configure_model`: the whole model as one graph on a single device
-            (KDA, the short convolution and AttnRes are custom ops inside it), every sublayer under a sharding
-            strategy (FSDP2 hooks sit between sublayers, as in torchtitan). None (default): on for one CUDA device
-            without a sharding strategy, where it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
+        compile: ``torch.compile`` in :meth:`configure_model`, each sublayer on its own (regional compilation,
+            :meth:`~k3lit.model.K3LM.compile_sublayers`; under a sharding strategy the FSDP2 hooks sit between
+            sublayers, as in torchtitan). None (default): on for one CUDA device without a sharding strategy, where
+            it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
             Training steps only: validation runs the same modules eagerly
             (``torch.compiler.set_stance("force_eager")``), since a no-grad graph would compile a second time for
             tens of seconds (``small`` on an H200) to save a few milliseconds a batch.
-        compile_mode: ``torch.compile``'s ``mode`` for the whole-model graph (None: its default), e.g.
+        compile_scope: ``sublayers`` (default): the few distinct sublayer graphs compile about twice as fast as the
+            whole model (``small`` on an H200: 32 s against 69 s for the first steps, 94.1 against 92.7 ms a
+            step); ``model``: the whole model as one graph on a single device (KDA, the short convolution and
+            AttnRes are custom ops inside it), for long runs where the last percent of step time outweighs the
+            start-up. A sharding strategy always compiles sublayers.
+        compile_mode: ``torch.compile``'s ``mode`` (None: its default), e.g.
             ``reduce-overhead``: CUDA graphs, so that the host launches a step's forward and backward as two graph
             replays instead of thousands of kernels (the step's shapes are static); for models without KDA layers
             only (measured: no gain for ``small_plain`` through ``k3lit fit``, docs/DECISIONS.md).
@@ -63,7 +68,7 @@ class K3LitModule(L.LightningModule):
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
 
     Raises:
-        ValueError: a CUDA-graph ``compile_mode`` for a model with KDA layers.
+        ValueError: a CUDA-graph ``compile_mode`` for a model with KDA layers; an unknown ``compile_scope``.
     """
 
     def __init__(
@@ -72,15 +77,19 @@ class K3LitModule(L.LightningModule):
         optim: OptimConfig | None = None,
         compile: bool | None = None,
         compile_mode: str | None = None,
+        compile_scope: Literal["sublayers", "model"] = "sublayers",
         empty_init: bool = False,
     ) -> None:
         super().__init__()
+        if compile_scope not in ("sublayers", "model"):
+            raise ValueError(f"compile_scope={compile_scope!r}: choose 'sublayers' or 'model'")
         if compile_mode in CUDA_GRAPH_MODES and "K" in model.layer_pattern:
             raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) does not run a model with KDA layers: "
                              "the KDA kernels keep index tables built at their first call, which CUDA graph trees "
                              "refuse; leave compile_mode unset")
         self.compile_model = compile
         self.compile_mode = compile_mode
+        self.compile_scope = compile_scope
         self.save_hyperparameters(ignore=["empty_init"])
         self.model_config = model
         self.optim_config = optim or OptimConfig()
@@ -107,20 +116,20 @@ class K3LitModule(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """When :meth:`compiles`: ``torch.compile`` in place (state-dict names unchanged): the whole model, or every
-        sublayer when a device mesh exists (before FSDP2 wraps them). Then, under a model-parallel strategy (a
+        """When :meth:`compiles`: ``torch.compile`` in place (state-dict names unchanged): every sublayer (before
+        FSDP2 wraps them when a device mesh exists), or the whole model (``compile_scope="model"``, no mesh). Then, under a model-parallel strategy (a
         device mesh exists), shard the model with FSDP2. A model built with ``empty_init=True`` is then
         materialised: each rank allocates its shards (the whole model without a mesh) on the strategy's root
         device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
         if self.compiles() and not getattr(self, "_compiled", False):
-            if self.device_mesh is None:
+            whole = self.compile_scope == "model" and self.device_mesh is None
+            if whole:
                 self.model.compile(mode=self.compile_mode)
             else:
-                for sub in self.model.sublayers:
-                    sub.compile()
+                self.model.compile_sublayers(mode=self.compile_mode)
             self._compiled = True
-            rank_zero_info("k3lit: torch.compile on the " + ("whole model" if self.device_mesh is None else
-                           "sublayers") + ": the first steps compile it (--compile=false: eager)")
+            rank_zero_info("k3lit: torch.compile on the " + ("whole model" if whole else "sublayers")
+                           + ": the first steps compile it (--compile=false: eager)")
         if self.device_mesh is not None and not getattr(self, "_parallelized", False):
             from k3lit.parallel import parallelize
 
