@@ -151,7 +151,8 @@ def table(result: dict, png: str) -> str:
         "included. Final held-out pass (`k3lit validate`, last weights): the split's first "
         f"{ref['blocks']} blocks of {ref['seq_len'] + 1} tokens, {ref['bytes']:,} bytes, the same bytes for every "
         f"run: gzip -9 {ref['gzip -9']:.3f}, xz -9e {ref['xz -9e']:.3f} bits per byte. Raw runs: "
-        f"`{result.get('json', '')}`; curve: `{png}`.",
+        f"`{result.get('json', '')}`; curve: `{png}`. With `--append`, the command of the latest invocation; each "
+        "earlier one ran the same race for other recipes or seeds.",
         "",
         "| recipe | seed | steps | first step (s) | median tokens/s | held-out bpb |",
         "|---|---|---|---|---|---|",
@@ -166,12 +167,15 @@ def table(result: dict, png: str) -> str:
     if len(by_recipe) == 2:
         (ka, va), (kb, vb) = by_recipe.items()
         gap = statistics.mean(vb) - statistics.mean(va)
-        spread = max(max(v) - min(v) for v in (va, vb))
         lead = Path(ka).stem if gap > 0 else Path(kb).stem
-        verdict = "more" if abs(gap) > spread else "less"
-        lines += ["", f"Mean held-out bpb: `{Path(ka).stem}` {statistics.mean(va):.4f}, `{Path(kb).stem}` "
-                      f"{statistics.mean(vb):.4f}: `{lead}` ahead by {abs(gap):.4f}, {verdict} than the largest "
-                      f"seed-to-seed spread ({spread:.4f})."]
+        means = (f"Mean held-out bpb: `{Path(ka).stem}` {statistics.mean(va):.4f}, `{Path(kb).stem}` "
+                 f"{statistics.mean(vb):.4f}: `{lead}` ahead by {abs(gap):.4f}")
+        if min(len(va), len(vb)) < 2:
+            lines += ["", means + "; one seed of a recipe so far, so the seed-to-seed spread is not measured."]
+        else:
+            spread = max(max(v) - min(v) for v in (va, vb))
+            verdict = "more" if abs(gap) > spread else "less"
+            lines += ["", means + f", {verdict} than the largest seed-to-seed spread ({spread:.4f})."]
     return "\n".join(lines)
 
 
