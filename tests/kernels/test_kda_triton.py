@@ -133,13 +133,14 @@ def test_narrow_forward_blocks_match_reference(seed, monkeypatch):
 def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layout, fused):
     """Without a backward to follow, the forward skips what only the backward reads (M; the states and Delta where
     the scan writes the output: the transposed scan, and the plain one at K, V <= 128, in place of ``_out_fwd``):
-    the final state stays bit-identical to that of the forward that saves them, and so does o but on the GPU's
-    plain layout, where the scan's output products and ``_out_fwd``'s (other value blocks, so other tensor-core
+    the final state stays bit-identical to that of the forward that saves them, and so does o but on the plain
+    layout, where the scan's output products and ``_out_fwd``'s (other value blocks; on the GPU other tensor-core
     instructions) sum in another float32 order: there o may differ only where that order flips a bf16 rounding,
-    a relative RMS difference below 1e-4 (bf16's own rounding is 2^-8 = 3.9e-3 relative; o's error against
-    float64 is ~2.4e-3; on the H200 none to 3 of the 179,200 elements differed, relative RMS <= 5e-10). bf16
-    inputs (float32 ones keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value
-    blocks part masked), 128 on the GPU."""
+    a few elements in ten thousand at a relative RMS difference below 1e-4 (bf16's own rounding is 2^-8 = 3.9e-3
+    relative; o's error against float64 is ~2.4e-3; on the H200 none to 3 of the 179,200 elements differed,
+    relative RMS <= 5e-10; under the interpreter none to one of the 10,080, depending on the seed). bf16 inputs
+    (float32 ones keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value blocks part
+    masked), 128 on the GPU."""
     from k3lit.kernels.kda import kda_triton
 
     launched = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: name)
@@ -156,10 +157,11 @@ def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layou
     assert launched == ([] if scan_layout == "transposed" else ["_out_fwd"])
     assert o.requires_grad
     assert torch.equal(ht_inf, ht.detach())
-    if DEV == "cuda" and scan_layout == "plain":
+    if scan_layout == "plain":
+        differ = (o_inf != o.detach()).float().mean().item()
         diff = rel_rms(o_inf, o.detach())
-        print(f"o: {(o_inf != o).float().mean():.2e} of the elements differ, relative RMS {diff:.2e}")
-        assert diff < 1e-4
+        print(f"o: {differ:.2e} of the elements differ, relative RMS {diff:.2e}")
+        assert differ < 5e-4 and diff < 1e-4
     else:
         assert torch.equal(o_inf, o.detach())
 
