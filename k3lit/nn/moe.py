@@ -325,10 +325,13 @@ class MoE(nn.Module):
         flat = expert_idx.reshape(-1)  # [m k]
         flat = torch.where(flat < 0, self.n_experts, flat)  # dropped slots sort last, into no group
         order = flat.argsort(stable=True)
-        counts = expert_counts(flat, self.n_experts + 1)[: self.n_experts]
-        kept = order[: int(counts.sum())]
-        ys = self.experts(h[kept // k], counts.cumsum(0).to(torch.int32))
-        return ys.new_zeros(m * k, ys.shape[-1]).index_copy(0, kept, ys).view(m, k, -1)
+        ends = expert_counts(flat, self.n_experts + 1)[: self.n_experts].cumsum(0)  # [E]
+        # all m k slots keep their rows (no data-dependent shape, no host sync); the dropped ones, past the last
+        # group, are zeroed on the way in and out, so neither they nor their gradients reach h or the output
+        kept = (torch.arange(m * k, device=flat.device) < ends[-1])[:, None]
+        ys = self.experts(torch.where(kept, h[order // k], 0), ends.to(torch.int32))
+        ys = torch.where(kept, ys, 0)
+        return torch.empty_like(ys).index_copy(0, order, ys).view(m, k, -1)
 
     # ----------------------------------------------------------------------------------------- balancer
     def _record(

@@ -383,6 +383,7 @@ def causal_capacity_route(
         top = key.topk(k, dim=-1).indices
         rank = torch.arange(m, device=dev)[:, None]
         closes_at = torch.full((n,), m, dtype=torch.long, device=dev)  # first priority rank that j refuses
+        experts = torch.arange(n, device=dev)
 
         def choose() -> tuple[torch.Tensor, torch.Tensor]:  # each token's top k among the experts open to it
             vals, idx = key.masked_fill(rank >= closes_at, -math.inf).topk(k, dim=-1)
@@ -393,8 +394,9 @@ def causal_capacity_route(
             taken = torch.zeros(m, n, dtype=torch.int32, device=dev).scatter_add_(1, idx, kept.int())
             over = taken.cumsum(0) > cap  # [m, n]
             first = torch.where(over.any(0), over.int().argmax(0), m)  # [n]
-            j = first.argmin()
-            closes_at[j] = torch.minimum(closes_at[j], first[j])  # no host sync: a no-op once settled
+            # close the expert that overflows first (a no-op once settled); a mask, not closes_at[j]: no host sync,
+            # and no data-dependent index for torch.compile
+            closes_at = torch.where(experts == first.argmin(), torch.minimum(closes_at, first), closes_at)
         idx, kept = choose()
         final = torch.where(kept, idx, -1)
         rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()

@@ -84,11 +84,13 @@ class CountAfterFirstStep(Callback):
         self.counter.on = False
 
 
-@pytest.mark.parametrize("balancer", ["quantile", "quantile_hist", "aux_free", "aux_loss"])
-def test_training_steps_issue_no_host_sync_from_k3lit(tmp_path, host_syncs, balancer):
+@pytest.mark.parametrize("balancer,capacity", [("quantile", None), ("quantile_hist", None), ("aux_free", None),
+                                               ("aux_loss", None), ("quantile", "causal")])
+def test_training_steps_issue_no_host_sync_from_k3lit(tmp_path, host_syncs, balancer, capacity):
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=3, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=32,
                       n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1, first_dense_layers=1,
-                      balancer=balancer, attnres_block_size=2)
+                      balancer=balancer, attnres_block_size=2, capacity_factor=1.1 if capacity else None,
+                      capacity_mode=capacity or "forward")
     data = torch.randint(0, cfg.vocab_size, (16, 17))
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=4, accumulate_grad_batches=2,
                         log_every_n_steps=2, gradient_clip_val=1.0, default_root_dir=tmp_path,
