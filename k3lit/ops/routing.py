@@ -295,8 +295,6 @@ def capacity_route(
     if min_score is not None and min_score.shape != (n,):
         raise ValueError(f"min_score must be [n] = [{n}], got shape {tuple(min_score.shape)}")
     dev = scores.device
-    # without a count limit no expert can fill up: each token proposes an expert at most once
-    cap = m if capacity_factor is None else max(1, min(math.ceil(capacity_factor * m * k / n), m))
     with torch.no_grad():
         key = scores.detach() + bias.to(scores.dtype)  # [m, n]
         top = None
@@ -309,34 +307,52 @@ def capacity_route(
         ranked = key.argsort(dim=-1, descending=True)  # [m, n], admitting candidates first
         if top is None:
             top = ranked[:, :k]
-        final = torch.full((m, k), -1, dtype=torch.long, device=dev)
-        room = torch.full((n,), cap, dtype=torch.long, device=dev)
-        pointer = torch.full((m,), k, dtype=torch.long, device=dev)  # next unused candidate per token
-        # proposals in priority order: slot-major, then token order
-        tok = torch.arange(m, device=dev).repeat(k)  # [k m]
-        slot = torch.arange(k, device=dev).repeat_interleave(m)
-        valid = slot < n_valid[tok]
-        tok, slot = tok[valid], slot[valid]
-        exp = ranked[tok, slot]
-        while tok.numel():
-            pos = _rank_within_groups(exp, n)
-            ok = pos < room[exp]
-            final[tok[ok], slot[ok]] = exp[ok]
-            room -= expert_counts(exp[ok], n)
-            tok, slot = tok[~ok], slot[~ok]
-            if tok.numel() == 0:
-                break
-            by_token = tok.argsort(stable=True)  # later rounds: token order
-            tok, slot = tok[by_token], slot[by_token]
-            cand = pointer[tok] + _rank_within_groups(tok, m)
-            pointer.index_add_(0, tok, torch.ones_like(tok))
-            alive = cand < n_valid[tok]
-            tok, slot, cand = tok[alive], slot[alive], cand[alive]
-            exp = ranked[tok, cand]
-        kept = final >= 0
-        rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
-        dropped = (~kept).sum()
+        if capacity_factor is None:  # no count: every slot takes its next admitting candidate, in one pass
+            final = torch.where(torch.arange(k, device=dev) < n_valid[:, None], ranked[:, :k], -1)
+        else:
+            final = _admit_in_rounds(ranked, n_valid, k, max(1, min(math.ceil(capacity_factor * m * k / n), m)))
+        rerouted, dropped = _rerouted_dropped(final, top)
     return final, _kept_slot_weights(scores, final), rerouted, dropped
+
+
+def _admit_in_rounds(ranked: torch.Tensor, n_valid: torch.Tensor, k: int, cap: int) -> torch.Tensor:
+    """:func:`capacity_route`'s count limit: ``[m, k]`` experts (-1: dropped) from the candidates ``ranked [m, n]``
+    (the first ``n_valid [m]`` of each row admitting), every expert taking at most ``cap`` slots, proposals in
+    priority order round after round (rounds loop on the host: not for ``torch.compile``)."""
+    m, n = ranked.shape
+    dev = ranked.device
+    final = torch.full((m, k), -1, dtype=torch.long, device=dev)
+    room = torch.full((n,), cap, dtype=torch.long, device=dev)
+    pointer = torch.full((m,), k, dtype=torch.long, device=dev)  # next unused candidate per token
+    # proposals in priority order: slot-major, then token order
+    tok = torch.arange(m, device=dev).repeat(k)  # [k m]
+    slot = torch.arange(k, device=dev).repeat_interleave(m)
+    valid = slot < n_valid[tok]
+    tok, slot = tok[valid], slot[valid]
+    exp = ranked[tok, slot]
+    while tok.numel():
+        pos = _rank_within_groups(exp, n)
+        ok = pos < room[exp]
+        final[tok[ok], slot[ok]] = exp[ok]
+        room -= expert_counts(exp[ok], n)
+        tok, slot = tok[~ok], slot[~ok]
+        if tok.numel() == 0:
+            break
+        by_token = tok.argsort(stable=True)  # later rounds: token order
+        tok, slot = tok[by_token], slot[by_token]
+        cand = pointer[tok] + _rank_within_groups(tok, m)
+        pointer.index_add_(0, tok, torch.ones_like(tok))
+        alive = cand < n_valid[tok]
+        tok, slot, cand = tok[alive], slot[alive], cand[alive]
+        exp = ranked[tok, cand]
+    return final
+
+
+def _rerouted_dropped(final: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rerouted, dropped)`` int64 scalars: kept slots whose expert is not among the token's first k candidates
+    ``top [m, k]``, and slots with no expert (-1 in ``final [m, k]``)."""
+    kept = final >= 0
+    return (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum(), (~kept).sum()
 
 
 def causal_capacity_route(
@@ -399,8 +415,7 @@ def causal_capacity_route(
             closes_at = torch.where(experts == first.argmin(), torch.minimum(closes_at, first), closes_at)
         idx, kept = choose()
         final = torch.where(kept, idx, -1)
-        rerouted = (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum()
-        dropped = (~kept).sum()
+        rerouted, dropped = _rerouted_dropped(final, top)
         final = torch.empty_like(final).index_copy_(0, order, final)  # back to row order
     return final, _kept_slot_weights(scores, final), rerouted, dropped
 

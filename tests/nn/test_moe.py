@@ -271,22 +271,25 @@ def test_capacity_mode_causality(seed, mode):
     assert same == (mode != "forward")
 
 
-def test_causal_capacity_compiles_as_one_graph_and_matches_eager(seed):
+@pytest.mark.parametrize("mode", ["causal", "quantile"])
+def test_capacity_compiles_as_one_graph_and_matches_eager(seed, mode):
     """Capacity routing and the experts under ``torch.compile(fullgraph=True)`` (a graph break raises: a host sync
     or a data-dependent shape would), forward and backward traced by AOT autograd: the same outputs, gradients and
-    re-routed counts as eager. bf16 autocast, as in training (the grouped products' compiled path). The quantile
-    capacity mode's re-routing loop (``capacity_route``'s ``while``, data-dependent) does not compile as one
-    graph yet."""
+    re-routed counts as eager. bf16 autocast, as in training (the grouped products' compiled path)."""
     from torch._dynamo.utils import counters
 
-    eager = _skewed_moe("causal").train()
-    eager(_skewed_batch(2, 64))
-    eager.update_balancer()  # the bias moves
-    compiled = _skewed_moe("causal").train()
+    eager = _skewed_moe(mode, quantile_rate=0.5).train()
+    for _ in range(4):  # the bias moves; the quantile mode gets its running score threshold
+        eager(_skewed_batch(4, 64))
+        eager.update_balancer()
+    x = _skewed_batch(2, 64).requires_grad_()
+    if mode == "quantile":  # a threshold that surely turns slots away: each expert's median score on x
+        with torch.no_grad():
+            eager.capacity_threshold.copy_(eager.router_scores(x.reshape(-1, 16)).median(dim=0).values)
+    compiled = _skewed_moe(mode, quantile_rate=0.5).train()
     compiled.load_state_dict(eager.state_dict())
     counters.clear()
     compiled.compile(fullgraph=True, backend="aot_eager")
-    x = _skewed_batch(2, 64).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_ref = eager(x)
         y = compiled(x)

@@ -85,7 +85,8 @@ class CountAfterFirstStep(Callback):
 
 
 @pytest.mark.parametrize("balancer,capacity", [("quantile", None), ("quantile_hist", None), ("aux_free", None),
-                                               ("aux_loss", None), ("quantile", "causal")])
+                                               ("aux_loss", None), ("quantile", "causal"),
+                                               ("quantile", "quantile")])
 def test_training_steps_issue_no_host_sync_from_k3lit(tmp_path, host_syncs, balancer, capacity):
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=3, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=32,
                       n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1, first_dense_layers=1,
