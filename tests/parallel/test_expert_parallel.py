@@ -22,16 +22,16 @@ CFG = dict(vocab_size=40, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, hea
 
 
 def _moe_worker(rank: int, world: int, path: str) -> None:
-    for capacity in (None, 0.6):  # 0.6: overflow is re-routed, and some slots are dropped
-        _moe_parity(rank, world, capacity)
+    for capacity, mode in ((None, "forward"), (0.6, "forward"), (0.6, "causal")):  # 0.6: re-routed and dropped
+        _moe_parity(rank, world, capacity, mode)
 
 
-def _moe_parity(rank: int, world: int, capacity: float | None) -> None:
+def _moe_parity(rank: int, world: int, capacity: float | None, mode: str) -> None:
     torch.manual_seed(0)
-    ref = MoE(16, 8, 2, 8, n_shared_experts=1, capacity_factor=capacity).double()
+    ref = MoE(16, 8, 2, 8, n_shared_experts=1, capacity_factor=capacity, capacity_mode=mode).double()
     ref.expert_bias.copy_(torch.randn(8) * 0.2)
     xs = torch.randn(world, 3, 7, 16, dtype=torch.float64)  # rank r gets xs[r]; the reference gets all
-    ep = MoE(16, 8, 2, 8, n_shared_experts=1, capacity_factor=capacity).double()
+    ep = MoE(16, 8, 2, 8, n_shared_experts=1, capacity_factor=capacity, capacity_mode=mode).double()
     ep.load_state_dict(ref.state_dict())
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("expert_parallel",))
     for name in ("w_gate_up", "w_down"):
