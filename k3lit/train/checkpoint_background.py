@@ -7,7 +7,8 @@ stream, so the copy reads the values of this step whatever the next steps' kerne
 CPU tensors are cloned and other values deep-copied on the calling thread. A single writer thread waits for the
 copies (a CUDA event), writes ``<path>.partial`` with ``torch.save``, fsyncs it and puts it in place
 (:func:`~k3lit.train.checkpoint_save.commit`), so the checkpoint at ``path`` is whole at every instant, as with a
-synchronous save. The pinned buffers are reused from save to save (one host copy of the checkpoint per run).
+synchronous save. The pinned buffers are reused from save to save (one host copy of the checkpoint per run); where
+that copy would take half the host's free memory or more, the checkpoint is written synchronously instead.
 
 Ordering: a save first waits for the previous write, so at most one write is in flight; removing a checkpoint and
 the strategy's teardown (the end of ``fit``) wait too, and :func:`finish_writes` waits for whoever needs the file
@@ -53,6 +54,10 @@ class BackgroundCheckpointIO(DirectCheckpointIO):
         if storage_options is not None or not is_local_path(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         settle(path)  # no stale .partial of a killed save under the new one
+        if _cuda_bytes(checkpoint) - sum(b.nbytes for b in self._buffers) > _available_host_bytes() // 2:
+            # a host copy would take half the free memory or more (a large model on a small host): write it now
+            self._write(checkpoint, None, Path(path))
+            return None
         snapshot, copied = self.snapshot(checkpoint)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3lit-checkpoint")
@@ -138,6 +143,25 @@ class BackgroundCheckpointIO(DirectCheckpointIO):
             self._executor.shutdown()
             self._executor = None
         super().teardown()
+
+
+def _cuda_bytes(obj: Any) -> int:
+    """Bytes of the CUDA tensors in ``obj`` (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes if obj.is_cuda else 0
+    if isinstance(obj, dict):
+        return sum(_cuda_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_cuda_bytes(v) for v in obj)
+    return 0
+
+
+def _available_host_bytes() -> int:
+    """Free physical memory of the host (Linux ``sysconf``); a very large number where it cannot be read."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2**62
 
 
 def finish_writes(trainer: L.Trainer) -> None:

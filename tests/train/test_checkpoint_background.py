@@ -79,6 +79,20 @@ def test_pinned_buffers_are_reused_from_save_to_save(tmp_path):
     io.teardown()
 
 
+@pytest.mark.gpu
+def test_a_checkpoint_too_large_for_the_free_host_memory_is_written_at_once(tmp_path, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import k3lit.train.checkpoint_background as background
+
+    monkeypatch.setattr(background, "_available_host_bytes", lambda: 64)  # less than twice the state's CUDA bytes
+    io, path = BackgroundCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint(_state("cuda"), path)
+    assert io._pending is None and io._buffers == []
+    assert torch.load(path, weights_only=False)["state_dict"]["step"].item() == 7
+    io.teardown()
+
+
 def test_a_failed_write_raises_at_the_next_wait_and_keeps_the_previous_file(tmp_path):
     io, path = BackgroundCheckpointIO(), tmp_path / "last.ckpt"
     io.save_checkpoint(_state("cpu"), path)
