@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SUPPORTED_LIGHTNING", "PRIVATE_METHODS", "check_lightning_version", "init_args", "resolve_ckpt_path",
-    "hpc_save_path", "time_interval_seconds", "should_update_logs", "accumulating", "log_metrics", "throughputs", "save_last_checkpoint",
-    "setup_distributed", "set_device_mesh", "rewrite_metrics_header", "csv_writer", "set_csv_writer",
+    "hpc_save_path", "time_interval_seconds", "should_update_logs", "accumulating", "log_metrics", "throughputs",
+    "save_last_checkpoint", "setup_distributed", "set_device_mesh", "rewrite_metrics_header", "csv_writer",
+    "set_csv_writer",
 ]
 
 SUPPORTED_LIGHTNING = ">=2.5,<2.7"

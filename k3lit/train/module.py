@@ -117,10 +117,10 @@ class K3LitModule(L.LightningModule):
     @override
     def configure_model(self) -> None:
         """When :meth:`compiles`: ``torch.compile`` in place (state-dict names unchanged): every sublayer (before
-        FSDP2 wraps them when a device mesh exists), or the whole model (``compile_scope="model"``, no mesh). Then, under a model-parallel strategy (a
-        device mesh exists), shard the model with FSDP2. A model built with ``empty_init=True`` is then
-        materialised: each rank allocates its shards (the whole model without a mesh) on the strategy's root
-        device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
+        FSDP2 wraps them when a device mesh exists), or the whole model (``compile_scope="model"``, no mesh). Then,
+        under a model-parallel strategy (a device mesh exists), shard the model with FSDP2. A model built with
+        ``empty_init=True`` is then materialised: each rank allocates its shards (the whole model without a mesh) on
+        the strategy's root device and initialises them (:func:`k3lit.parallel.init_sharded`)."""
         if self.compiles() and not getattr(self, "_compiled", False):
             whole = self.compile_scope == "model" and self.device_mesh is None
             if whole:

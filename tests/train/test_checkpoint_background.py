@@ -13,7 +13,7 @@ from k3lit.cli import K3CLI
 from k3lit.train.callbacks import LastCheckpoint
 from k3lit.train.checkpoint_background import BackgroundCheckpointIO, finish_writes
 from k3lit.train.expert_plots import ExpertLoadPlots
-from tests.test_cli import cache, fit_args  # noqa: F401 (cache: the module's prepared corpus)
+from tests.test_cli import fit_args
 
 ROOT = Path(__file__).parents[2]
 
@@ -120,9 +120,9 @@ def test_removal_and_teardown_wait_for_the_write_in_flight(tmp_path):
     assert torch.load(path, weights_only=False)["loops"]["epoch"] == 1
 
 
-def test_fit_writes_in_the_background_and_a_save_outside_fit_is_on_disk_when_it_returns(tmp_path, cache, monkeypatch):
+def test_fit_writes_in_the_background_and_a_save_outside_fit_is_on_disk_at_once(tmp_path, stdlib_cache, monkeypatch):
     monkeypatch.chdir(ROOT)
-    cli = K3CLI(args=fit_args(tmp_path, cache, 2)[1:], run=False)
+    cli = K3CLI(args=fit_args(tmp_path, stdlib_cache, 2)[1:], run=False)
     io = cli.trainer.strategy.checkpoint_io
     assert isinstance(io, BackgroundCheckpointIO)
     cli.trainer.fit(cli.model, cli.datamodule)
@@ -133,9 +133,9 @@ def test_fit_writes_in_the_background_and_a_save_outside_fit_is_on_disk_when_it_
     finish_writes(cli.trainer)
 
 
-def test_a_time_interval_paces_the_checkpoint_and_the_heatmap(tmp_path, cache, monkeypatch):
+def test_a_time_interval_paces_the_checkpoint_and_the_heatmap(tmp_path, stdlib_cache, monkeypatch):
     monkeypatch.chdir(ROOT)
-    args = fit_args(tmp_path, cache, 8)[1:] + ["--trainer.val_check_interval=00:00:01:30"]
+    args = fit_args(tmp_path, stdlib_cache, 8)[1:] + ["--trainer.val_check_interval=00:00:01:30"]
     cli = K3CLI(args=args, run=False)
     last = next(c for c in cli.trainer.callbacks if isinstance(c, LastCheckpoint))
     plots = next(c for c in cli.trainer.callbacks if isinstance(c, ExpertLoadPlots))
@@ -143,10 +143,10 @@ def test_a_time_interval_paces_the_checkpoint_and_the_heatmap(tmp_path, cache, m
     assert plots.every_n_steps is None
 
 
-def test_the_heatmap_at_each_validation(tmp_path, cache, monkeypatch):
+def test_the_heatmap_at_each_validation(tmp_path, stdlib_cache, monkeypatch):
     """``ExpertLoadPlots(every_n_steps=None)`` draws when a validation of ``fit`` ends, and at the end."""
     monkeypatch.chdir(ROOT)
-    args = fit_args(tmp_path, cache, 5)[1:] + [
+    args = fit_args(tmp_path, stdlib_cache, 5)[1:] + [
         "--trainer.val_check_interval=2", "--trainer.callbacks+=k3lit.train.expert_plots.ExpertLoadPlots",
         "--trainer.callbacks.every_n_steps=null"]
     cli = K3CLI(args=args, run=False)
