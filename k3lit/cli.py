@@ -301,6 +301,12 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--ckpt", type=str, required=True,
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
     parser.add_argument("--prompt", type=str, default="def ")
+    parser.add_argument("--prompt_file", type=str | None, default=None,
+                        help="read the prompt from this text file instead of --prompt")
+    parser.add_argument("--prompt_tokens", type=int | None, default=None,
+                        help="keep the prompt's first N tokens (a long-context prompt of an exact length)")
+    parser.add_argument("--stats", type=bool, default=False,
+                        help="print prompt length, prefill and decoding speed and peak device memory to stderr")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
     parser.add_argument("--top_k", type=int | None, default=50, help=">= 1, or null to keep every token")
@@ -314,13 +320,27 @@ def generate_main(argv: list[str]) -> None:
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
         tok = K3DataModule(**compat.init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
-    ids = tok.encode(args.prompt)
+    ids = tok.encode(Path(args.prompt_file).read_text() if args.prompt_file else args.prompt)
     if not ids:
         raise ValueError("--prompt must encode to at least one token")
+    if args.prompt_tokens is not None:
+        if not 1 <= args.prompt_tokens <= len(ids):
+            raise ValueError(f"--prompt_tokens={args.prompt_tokens}: the prompt has {len(ids)} tokens; give a number "
+                             "from 1 to that, or a longer --prompt_file")
+        ids = ids[: args.prompt_tokens]
     idx = torch.tensor([ids], dtype=torch.long, device=args.device)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, gen)
+    timings: dict[str, float] | None = {} if args.stats else None
+    if args.stats and idx.is_cuda:
+        torch.cuda.reset_peak_memory_stats(idx.device)
+    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, gen, timings=timings)
     print(tok.decode(out[0].tolist()))
+    if timings is not None:
+        peak = f"{torch.cuda.max_memory_allocated(idx.device) / 2**30:.2f} GiB" if idx.is_cuda else "n/a (CPU)"
+        decode = args.max_new_tokens / timings["decode_s"] if timings["decode_s"] > 0 else float("nan")
+        print(f"k3lit generate: prompt {len(ids):,} tokens, prefill {timings['prefill_s']:.2f} s "
+              f"({len(ids) / timings['prefill_s']:,.0f} tokens/s); {args.max_new_tokens} new tokens in "
+              f"{timings['decode_s']:.2f} s ({decode:,.1f} tokens/s); peak device memory {peak}", file=sys.stderr)
 
 
 def positions_main(argv: list[str]) -> None:

@@ -8,6 +8,7 @@ Reads top-down: ``ModelConfig`` → ``K3LM`` (embedding, sublayers joined by the
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -409,6 +410,7 @@ class K3LM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        timings: dict[str, float] | None = None,
     ) -> torch.Tensor:
         """Sample continuations: prefill the prompt once, then decode one token at a time from the recurrent
         KDA states and the attention key/value caches.
@@ -419,6 +421,8 @@ class K3LM(nn.Module):
             temperature: softmax temperature; 0 means greedy (argmax).
             top_k: keep only the k most likely tokens before sampling.
             generator: RNG for reproducible sampling.
+            timings: if given, filled with ``prefill_s`` and ``decode_s``, wall seconds of the prompt's forward and
+                of the decoding loop (the device synchronised at each end: for measurements, not for serving).
 
         Returns:
             ``[B, T0 + max_new_tokens]`` int64.
@@ -426,13 +430,37 @@ class K3LM(nn.Module):
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"prompt must be [B, T0] with T0 >= 1, got {tuple(idx.shape)}")
         check_sampling(max_new_tokens, temperature, top_k)
+        clock = _SyncedClock(idx.device) if timings is not None else None
         logits, states = self(idx, return_state=True)
+        if clock:
+            timings["prefill_s"] = clock.lap()
         out = [idx]
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[:, -1].float(), temperature, top_k, generator)  # [B, 1]
             out.append(nxt)
             logits, states = self(nxt, states)
+        if clock:
+            timings["decode_s"] = clock.lap()
         return torch.cat(out, dim=1)
+
+
+class _SyncedClock:
+    """Wall seconds between laps, the device's queued work finished at each lap."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sync()
+        self.t = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def lap(self) -> float:
+        self._sync()
+        now = time.perf_counter()
+        elapsed, self.t = now - self.t, now
+        return elapsed
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:

@@ -150,6 +150,17 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
           "--max_new_tokens", "20", "--temperature", "0"])
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text) > 4
+    # a long prompt from a file, cut to an exact length (byte tokens: one a byte), with the speed figures
+    (tmp_path / "prompt.py").write_text("import os\n" * 10)
+    gen = ["generate", "--ckpt", str(tmp_path / "checkpoints" / "last.ckpt"), "--prompt_file",
+           str(tmp_path / "prompt.py"), "--max_new_tokens", "5", "--temperature", "0"]
+    main([*gen, "--prompt_tokens", "40", "--stats", "true"])
+    out = capsys.readouterr()
+    assert out.out.startswith("import os\n" * 4) and "import os\n" * 5 not in out.out[:45]
+    assert re.search(r"prompt 40 tokens, prefill [0-9.]+ s \([0-9,]+ tokens/s\); 5 new tokens in [0-9.]+ s", out.err)
+    with pytest.raises(SystemExit) as e:
+        main([*gen, "--prompt_tokens", "101"])
+    assert e.value.code == 2 and "--prompt_tokens=101: the prompt has 100 tokens" in capsys.readouterr().err
     # validate takes the architecture from the checkpoint, not from the recipe (which is larger)
     main(["validate", "--config", "recipes/tiny.yaml", "--data.tokenizer=byte", f"--data.cache_dir={cache}",
           "--data.seq_len=64", "--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path / 'val'}",
