@@ -123,8 +123,8 @@ class K3CLI(LightningCLI):
                             help="torch.compile the model; default: on for one CUDA device without a sharding "
                                  "strategy, off otherwise")
         parser.add_argument("--compile_scope", type=Literal["sublayers", "model"], default="sublayers",
-                            help="'sublayers': each sublayer on its own (start-up about twice as fast); 'model': the "
-                                 "whole model as one graph on one device (steps about 1.5%% faster on `small`)")
+                            help="'sublayers': each sublayer on its own (faster start-up); 'model': the whole "
+                                 "model as one graph on one device (slightly faster steps; RESULTS.md, Throughput)")
         parser.add_argument("--compile_mode", type=str | None, default=None,
                             help="torch.compile's mode, e.g. 'reduce-overhead' (CUDA graphs; models without KDA "
                                  "layers only)")

@@ -54,11 +54,11 @@ class K3LitModule(L.LightningModule):
             Training steps only: validation runs the same modules eagerly
             (``torch.compiler.set_stance("force_eager")``), since a no-grad graph would compile a second time for
             tens of seconds (``small`` on an H200) to save a few milliseconds a batch.
-        compile_scope: ``sublayers`` (default): the few distinct sublayer graphs compile about twice as fast as the
-            whole model (``small`` on an H200: 32 s against 69 s for the first steps, 94.1 against 92.7 ms a
-            step); ``model``: the whole model as one graph on a single device (KDA, the short convolution and
-            AttnRes are custom ops inside it), for long runs where the last percent of step time outweighs the
-            start-up. A sharding strategy always compiles sublayers.
+        compile_scope: ``sublayers`` (default): the few distinct sublayer graphs compile in half the time of the
+            whole model or less, for a step a percent or two slower (benchmarks/RESULTS.md, "Throughput");
+            ``model``: the whole model as one graph on a single device (KDA, the short convolution and AttnRes are
+            custom ops inside it), for long runs where the last percent of step time outweighs the start-up. A
+            sharding strategy always compiles sublayers.
         compile_mode: ``torch.compile``'s ``mode`` (None: its default), e.g.
             ``reduce-overhead``: CUDA graphs, so that the host launches a step's forward and backward as two graph
             replays instead of thousands of kernels (the step's shapes are static); for models without KDA layers
