@@ -11,7 +11,9 @@ limit, so its learning-rate schedule (warm-up, then the cosine) ends when the ti
 ``--val_every`` seconds a validation reads the held-out split's first ``--val_batches`` batches (``val/bpb``
 against ``val/elapsed_s`` gives the curve); at the end ``k3lit validate`` reads the first ``--final_batches``
 batches with the last weights. Both recipes must share the data section's corpus and tokenizer, so the held-out
-blocks are the same bytes; gzip and xz are measured on those bytes too (:mod:`k3lit.train.reference_bpb`).
+blocks are the same bytes; gzip and xz are measured on those bytes too (:mod:`k3lit.train.reference_bpb`). With
+``--positions L1 L2 ...`` each run's last weights also go through ``k3lit positions`` at those lengths (bits per
+byte by position bucket, up to and beyond the training length: extrapolation at equal training time).
 
 Writes the raw runs (``--json``), a PNG of held-out bits per byte against seconds (``--png``, default beside the
 JSON) and RESULTS.md's section "Race at equal wall-clock (<GPU>)".
@@ -90,13 +92,19 @@ def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
           f"--trainer.limit_val_batches={a.final_batches}", f"--trainer.default_root_dir={folder}-val",
           log=folder.with_suffix(".val.log"))
     final = next(r for r in read_csv(Path(f"{folder}-val") / "metrics.csv") if r.get("val/loss"))
+    positions = None
+    if a.positions:  # extrapolation of the same weights: bpb by position bucket at longer lengths
+        k3lit("positions", "--ckpt", str(folder / "checkpoints" / "last.ckpt"), "--lengths",
+              *map(str, a.positions), "--blocks", str(a.positions_blocks), "--json", str(folder / "positions.json"),
+              log=folder.with_suffix(".positions.log"))
+        positions = json.loads((folder / "positions.json").read_text())["results"]
     steps = max(int(r["step"]) for r in fit_rows) + 1
     tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
     summary = folder.with_suffix(".fit.log").read_text()
     first = first_step_seconds(summary)
     return {"recipe": recipe, "seed": seed, "steps": steps, "process_s": wall, "curve": curve(fit_rows),
             "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "first_step_s": first}
+            "first_step_s": first, "positions": positions}
 
 
 def same_bytes(recipe: str, batches: int) -> dict:
@@ -176,7 +184,28 @@ def table(result: dict, png: str) -> str:
             spread = max(max(v) - min(v) for v in (va, vb))
             verdict = "more" if abs(gap) > spread else "less"
             lines += ["", means + f", {verdict} than the largest seed-to-seed spread ({spread:.4f})."]
-    return "\n".join(lines)
+    return "\n".join(lines + positions_table(result))
+
+
+def positions_table(result: dict) -> list[str]:
+    """Lines under the race table for runs evaluated with ``--positions``: per run and length, held-out bpb over
+    all positions, in the first position bucket and in the last, and last over first."""
+    runs = [r for r in result["runs"] if r.get("positions")]
+    if not runs:
+        return []
+    lines = ["", "The same final weights through `k3lit positions`: held-out bits per byte by position on the "
+                 "split's first blocks of each length (documents packed as in training, KDA state and attention "
+                 "running across their boundaries):", "",
+             "| recipe | seed | length | blocks | all positions | first bucket | last bucket | last / first |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for p in r["positions"]:
+            filled = [b for b in p["buckets"] if b["bpb"] is not None]
+            first, last = filled[0], filled[-1]
+            lines.append(f"| `{Path(r['recipe']).stem}` | {r['seed']} | {p['length']:,} | {p['blocks']} | "
+                         f"{p['bpb']:.4f} | {first['bpb']:.4f} ({first['start']:,}-{first['end']:,}) | "
+                         f"{last['bpb']:.4f} ({last['start']:,}-{last['end']:,}) | {last['bpb'] / first['bpb']:.3f} |")
+    return lines
 
 
 def continued(earlier: dict, result: dict) -> dict:
@@ -228,6 +257,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--val_every", type=float, default=45.0, help="seconds between validations")
     p.add_argument("--val_batches", type=int, default=25, help="validation batches of each periodic validation")
     p.add_argument("--final_batches", type=int, default=50, help="validation batches of the final held-out pass")
+    p.add_argument("--positions", type=int, nargs="*", default=[],
+                   help="after each run, `k3lit positions` of its weights at these lengths (e.g. 2048 8192 32768)")
+    p.add_argument("--positions_blocks", type=int, default=4, help="held-out blocks of each --positions length")
     p.add_argument("--out", default="runs/race", help="folder of the runs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
     p.add_argument("--json", help="write the raw runs here")

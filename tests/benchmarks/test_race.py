@@ -29,7 +29,8 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     plain = recipe(tmp_path / "plain.yaml", stdlib_cache, layer_pattern="A", residual="plain")
     a = parser().parse_args(["--recipes", k3, plain, "--seeds", "7", "--minutes", "0.1", "--val_every", "2",
                              "--val_batches", "2", "--final_batches", "3", "--out", str(tmp_path / "runs"),
-                             "--json", str(tmp_path / "race.json")])
+                             "--json", str(tmp_path / "race.json"), "--positions", "32", "64", "--positions_blocks",
+                             "2"])
     result = race(a)
     ref = result["same_bytes"]
     assert ref["blocks"] == 6 and ref["bytes"] == 6 * 33  # 3 batches of 2 blocks of 33 byte tokens
@@ -40,10 +41,14 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         assert len(seconds) >= 2 and seconds == sorted(seconds) and seconds[-1] < 6 + 5, r["curve"]
         assert r["steps"] > 2 and math.isfinite(r["final_val_loss"]) and r["first_step_s"] > 0
     text = table(result, "race.png")
-    assert text.count("| 7 |") == 2 and "one seed of a recipe so far, so the seed-to-seed spread is not" in text
+    assert text.count("| 7 | ") == 6 and "one seed of a recipe so far, so the seed-to-seed spread is not" in text
     second = {**result, "runs": result["runs"] + [{**r, "seed": 8} for r in result["runs"]]}
     assert "than the largest seed-to-seed spread (0.0000)" in table(second, "race.png")
     assert f"{ref['bytes']:,} bytes" in text
+    for r in result["runs"]:  # the final weights at the training length and twice it, position by position
+        assert [(p["length"], p["blocks"]) for p in r["positions"]] == [(32, 2), (64, 2)]
+        assert [b["start"] for b in r["positions"][1]["buckets"]] == [0, 32]
+    assert text.count("| 7 | 64 | 2 |") == 2  # a positions row per run and length
     plot(result, tmp_path / "race.png")
     assert (tmp_path / "race.png").stat().st_size > 10_000
 
