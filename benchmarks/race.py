@@ -170,7 +170,7 @@ def table(result: dict, png: str) -> str:
         value = bpb(r, ref)
         by_recipe.setdefault(r["recipe"], []).append(value)
         tps = f"{r['median_tokens_per_s']:,.0f}" if r.get("median_tokens_per_s") else "-"
-        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") else "-"
+        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
         lines.append(f"| `{Path(r['recipe']).stem}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {value:.4f} |")
     if len(by_recipe) == 2:
         (ka, va), (kb, vb) = by_recipe.items()

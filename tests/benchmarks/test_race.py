@@ -39,7 +39,8 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         seconds = [s for s, _, _ in r["curve"]]
         # the run's clock: a 6 s budget, and a validation starts before it ends
         assert len(seconds) >= 2 and seconds == sorted(seconds) and seconds[-1] < 6 + 5, r["curve"]
-        assert r["steps"] > 2 and math.isfinite(r["final_val_loss"]) and r["first_step_s"] > 0
+        assert r["steps"] > 2 and math.isfinite(r["final_val_loss"])
+        assert r["first_step_s"] is not None and r["first_step_s"] >= 0  # read from the summary (0.0 s can happen)
     text = table(result, "race.png")
     assert text.count("| 7 | ") == 6 and "one seed of a recipe so far, so the seed-to-seed spread is not" in text
     second = {**result, "runs": result["runs"] + [{**r, "seed": 8} for r in result["runs"]]}
