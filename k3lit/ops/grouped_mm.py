@@ -77,7 +77,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, backe
         w: ``[E, d, f]`` stacked weights (same dtype as ``x``; under ``torch.autocast`` both are cast to
             the autocast dtype).
         offsets: ``[E]`` int32 (int64 accepted) cumulative ends of the groups, non-decreasing,
-            ``offsets[-1] == M`` (not checked: that would synchronise a GPU).
+            ``offsets[-1] <= M`` (not checked: that would synchronise a GPU). Rows past ``offsets[-1]`` belong to
+            no group: their output is unspecified (zeros on the loop path) and they reach no weight gradient.
         backend: ``"auto"`` (native when :func:`native_grouped_mm_supported`, else the loop),
             ``"native"`` or ``"loop"``.
 

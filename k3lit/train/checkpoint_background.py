@@ -157,11 +157,17 @@ def _cuda_bytes(obj: Any) -> int:
 
 
 def _available_host_bytes() -> int:
-    """Free physical memory of the host (Linux ``sysconf``); a very large number where it cannot be read."""
+    """Memory the host can give without swapping: Linux's ``MemAvailable`` (free memory plus the page cache it can
+    drop; a run that writes checkpoints fills the cache, so the free pages alone would understate it); a very large
+    number where it cannot be read."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2**62
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 2**62
 
 
 def finish_writes(trainer: L.Trainer) -> None:

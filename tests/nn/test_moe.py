@@ -71,6 +71,28 @@ def test_grouped_mm_native_and_fallback_agree(seed, dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grouped_mm_rows_past_the_last_group_belong_to_no_group(seed, device):
+    """The capacity path hands all m k slots over, the dropped ones past the last group: they take no part in the
+    grouped rows' outputs or in any weight gradient, on the native kernel (bf16) as on the loop."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    counts, past = [5, 0, 9, 2], 6
+    x = torch.randn(sum(counts) + past, 16, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    if not native_grouped_mm_supported(x, w):
+        pytest.skip("torch.nn.functional.grouped_mm is not available for these operands in this build")
+    offs, n = _offsets(counts).to(device), sum(counts)
+    g = torch.randn(n + past, 32, device=device, dtype=torch.bfloat16)  # nonzero past the groups as well
+    native, loop = grouped_mm(x, w, offs, backend="native"), grouped_mm(x, w, offs, backend="loop")
+    tol = dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(native[:n], loop[:n], **tol)
+    (gx_n, gw_n), (gx_l, gw_l) = (torch.autograd.grad(o, (x, w), g) for o in (native, loop))
+    torch.testing.assert_close(gw_n, gw_l, **tol)  # the rows past the last group add nothing to any expert
+    assert gw_n.isfinite().all() and gx_n[:n].isfinite().all()
+    torch.testing.assert_close(gx_n[:n], gx_l[:n], **tol)
+
+
 def test_grouped_mm_unaligned_falls_back(seed):
     x, w = torch.randn(6, 5), torch.randn(2, 5, 3)  # 20-byte rows: the native kernel refuses them
     assert not native_grouped_mm_supported(x, w)

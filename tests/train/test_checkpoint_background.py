@@ -155,6 +155,14 @@ def test_the_heatmap_at_each_validation(tmp_path, stdlib_cache, monkeypatch):
     assert pngs == ["step0000002.png", "step0000004.png", "step0000005.png"]
 
 
+def test_available_host_memory_counts_the_reclaimable_page_cache():
+    import k3lit.train.checkpoint_background as background
+
+    meminfo = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo")}
+    # between the free pages alone and the whole memory (MemAvailable moves a little between the two reads)
+    assert meminfo["MemFree"] * 0.9 <= background._available_host_bytes() <= meminfo["MemTotal"]
+
+
 def test_last_checkpoint_needs_one_trigger(tmp_path):
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
