@@ -157,6 +157,15 @@ def _finished(job: str, log: Path) -> dict[str, str]:
     return info
 
 
+def _requeued_and_gone(job: str) -> bool:
+    """The job is requeued (pending, restart 1, held to its BeginTime) and no process of its first run is left on
+    the node (`scontrol listpids` fails once the job has none there)."""
+    info = _job(job)
+    if (info.get("JobState"), info.get("Restarts"), info.get("Reason")) != ("PENDING", "1", "BeginTime"):
+        return False
+    return subprocess.run(["scontrol", "listpids", job], capture_output=True).returncode != 0
+
+
 def _losses(metrics: Path) -> dict[int, float]:
     with open(metrics) as f:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
@@ -216,9 +225,12 @@ def test_requeue_signal_resumes_to_the_same_losses(tmp_path, jobs):
     _wait("training to start", lambda: log.exists() and "will checkpoint at the next step" in log.read_text(), 180, log)
     time.sleep(2)  # a few steps in
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
-    _wait("the requeue", lambda: _job(job).get("Restarts") == "1" and _job(job).get("JobState") == "PENDING", 120, log)
+    _wait("the requeue", lambda: _requeued_and_gone(job), 120, log)
     first_run = _losses(tmp_path / "cut" / "metrics.csv")  # the resumed run appends to this file
-    # SLURM holds a requeued job back for about two minutes (BeginTime); release it now.
+    # SLURM holds a requeued job back for about two minutes (BeginTime); release it now. Not within the second
+    # of the requeue: slurmd revoked the first run's credential at a one-second resolution and refuses to launch
+    # the job again in that second ("Job credential revoked"), which fails the job.
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
     _finished(job, log)
 
