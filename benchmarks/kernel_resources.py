@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import write_section  # noqa: E402
-from k3lit.kernels import aot  # noqa: E402
+from k3lit.kernels import aot, precompile  # noqa: E402
 
 # Hopper (sm_90) per-SM limits: 64K 32-bit registers, allocated per warp in 256-register units of
 # 8-register-per-thread steps; 228 KiB shared memory with 1 KiB reserved per block; 64 warps; 32 blocks.
@@ -45,7 +45,7 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
     one-token decode; ``scans_only``: only the scan kernels and ``_out_fwd``; ``only``: only these kernels;
     ``tuning``: with these ``plan.TUNING`` settings; ``save=False``: the forward without a backward to follow (the
     backward's launches are still recorded, on what it would read)."""
-    from k3lit.kernels.kda import chunk_bwd, chunk_fwd, fused_recurrent, plan
+    from k3lit.kernels.kda import fused_recurrent, plan
 
     if tuning:
         saved = dict(plan.TUNING)
@@ -56,28 +56,18 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
             plan.TUNING.clear()
             plan.TUNING.update(saved)
 
-    bf = dict(device=META, dtype=dtype)
-    q, k = torch.empty(B, T, H, K, **bf), torch.empty(B, T, H, K, **bf)
-    v = torch.empty(B, T, H, V, **bf)
-    g = torch.empty(B, T, H, K, **bf) if gate else torch.empty(B, T, H, K, device=META)
-    beta = torch.empty(B, T, H, **bf)
-    bias = torch.empty(H * K, device=META) if gate else None
-    fusion = (bias, -5.0 if gate else None, l2)
-    fwd_names = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd")
-    with aot.record_launches(chunk_fwd, *fwd_names) as fwd, \
-            aot.record_launches(chunk_bwd, "_scan_bwd", "_scan_bwd_t", "_main_bwd") as bwd:
-        o, _, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn = chunk_fwd.chunk_fwd(q, k, v, g, beta, K**-0.5, None, False, None, 32,
-                                                                   *fusion, save=save)
-        chunk_bwd.chunk_bwd(q, k, v, g, beta, Gc, Aq, Mi, W, Kd, Qg, h, D, Rn, torch.empty_like(o), None, False,
-                            K**-0.5, None, 32, *fusion)
-    launches = list({x.name: x for x in reversed(fwd + bwd)}.values())[::-1]  # pipeline segments relaunch a kernel
+    recorded = precompile.kda_launches(B, T, H, K, V, dtype, -5.0, fused_gate=gate, qk_l2norm=l2, save=save,
+                                       beta_dtype=dtype)
+    launches = list({x.name: x for x in reversed(recorded)}.values())[::-1]  # pipeline segments relaunch a kernel
     if scans_only:
         return [x for x in launches if x.name.startswith(("_scan", "_out"))]
     if only:
         return [x for x in launches if x.name in only]
     with aot.record_launches(fused_recurrent, "_fused_recurrent_fwd") as decode:
         state = torch.empty(B, H, K, V, device=META)
-        one = [x[:, :1] for x in (q, k, v, g.float(), beta)]
+        q, k, g = (torch.empty(B, T, H, K, device=META, dtype=d) for d in (dtype, dtype, torch.float32))
+        v, beta = torch.empty(B, T, H, V, device=META, dtype=dtype), torch.empty(B, T, H, device=META, dtype=dtype)
+        one = [x[:, :1] for x in (q, k, v, g, beta)]
         fused_recurrent.fused_recurrent_fwd(*one, K**-0.5, state, state, None)
     return launches + decode
 

@@ -61,6 +61,7 @@ from k3lit.train.checkpoint_background import BackgroundCheckpointIO
 from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
+from k3lit.train.kernel_precompile import KernelPrecompile
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig
 from k3lit.train.progress import ProgressLines, StepProgressBar
@@ -258,7 +259,7 @@ class K3CLI(LightningCLI):
                                             train_time_interval=timedelta(seconds=seconds) if seconds else None))
         if not any(isinstance(c, ExpertLoadPlots) for c in callbacks):  # writes nothing for a model without MoE
             callbacks.append(ExpertLoadPlots(None if seconds else every))  # None: at each validation
-        for kind in (K3ThroughputMonitor, SlurmRequeue, RunSummary):
+        for kind in (K3ThroughputMonitor, SlurmRequeue, RunSummary, KernelPrecompile):
             if not any(isinstance(c, kind) for c in callbacks):
                 callbacks.append(kind())
         if cfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in callbacks):

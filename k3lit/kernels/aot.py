@@ -86,6 +86,31 @@ _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+def _packed(launch: Launch, target: GPUTarget):
+    """``(signature, constexprs, attrs, options)`` of ``launch`` as Triton's launcher packs them for ``target``."""
+    fn = launch.kernel
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{launch.name} is not a compilable JITFunction ({type(fn).__name__}): the Triton "
+                           "interpreter was on when it was defined; compile in a process without TRITON_INTERPRET")
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def specialization_key(launch: Launch, target: GPUTarget = H200) -> str:
+    """What decides which binary ``launch`` runs on ``target``: the kernel, its argument specialisation and
+    compile options. Two launches with equal keys run the same compiled kernel.
+
+    Raises:
+        RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1``.
+    """
+    signature, constexprs, attrs, options = _packed(launch, target)
+    fn = launch.kernel.fn
+    return repr((f"{fn.__module__}.{fn.__qualname__}", signature, constexprs, attrs, options))
+
+
 def compile_kernel(launch: Launch, target: GPUTarget = H200):
     """Triton's compiled kernel for ``launch`` on ``target`` (its ``asm`` holds the PTX and the cubin), with the
     argument specialisation a real launch would get (dtypes, 16-byte alignment, integers divisible by 16 or equal
@@ -95,15 +120,9 @@ def compile_kernel(launch: Launch, target: GPUTarget = H200):
         triton.CompilationError: the kernel does not compile for the target.
         RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1`` (import them in a process without it).
     """
-    fn = launch.kernel
-    if not isinstance(fn, JITFunction):
-        raise RuntimeError(f"{launch.name} is not a compilable JITFunction ({type(fn).__name__}): the Triton "
-                           "interpreter was on when it was defined; compile in a process without TRITON_INTERPRET")
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    signature, constexprs, attrs, options = _packed(launch, target)
+    return triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
 
 
 def compile_launch(launch: Launch, target: GPUTarget = H200) -> Resources:

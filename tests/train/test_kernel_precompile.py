@@ -1,0 +1,57 @@
+"""KernelPrecompile: off where nothing compiles, and on a GPU it fills an empty Triton cache during ``k3lit fit``."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from k3lit.model import ModelConfig
+from k3lit.train.kernel_precompile import KernelPrecompile
+from k3lit.train.module import K3LitModule
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_negative_workers_are_refused():
+    with pytest.raises(ValueError, match="workers must be >= 0"):
+        KernelPrecompile(workers=-1)
+
+
+def test_nothing_starts_on_a_cpu_trainer():
+    cb = KernelPrecompile()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16))
+    cb.setup(trainer, module, "fit")
+    assert cb._job is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fit_on_a_gpu_compiles_the_kernels_in_the_background(tmp_path):
+    """``k3lit fit`` of a small KDA model on an empty Triton cache: the callback says how many kernels it compiles,
+    training runs, and the cache holds them afterwards."""
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(3000)))
+    cache = tmp_path / "triton"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "k3lit.cli", "fit", "--config", str(ROOT / "recipes" / "tiny.yaml"),
+         "--trainer.accelerator=gpu", "--trainer.max_steps=3", "--trainer.max_time=null",
+         "--trainer.limit_val_batches=0", "--compile=false", f"--data.corpus={corpus}", "--data.tokenizer=byte",
+         f"--data.cache_dir={tmp_path / 'data'}", f"--trainer.default_root_dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "Triton kernels in" in out, out[-4000:]
+    assert any(cache.rglob("*.cubin")), sorted(p.name for p in cache.rglob("*"))[:20]
