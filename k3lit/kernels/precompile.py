@@ -137,7 +137,7 @@ def plan(model_config, batch: int, seq_len: int, dtype: torch.dtype, target=aot.
 
 
 class Job:
-    """Kernels compiling in worker processes (:func:`start`): worker ``i`` of ``n`` compiles ``items[i::n]``."""
+    """Kernels compiling in worker processes (:func:`start`)."""
 
     def __init__(self, items: list[Item], procs: list[subprocess.Popen], logs: list[Path], recipe: Path) -> None:
         self.items, self.procs, self.logs, self.recipe = items, procs, logs, recipe
@@ -170,7 +170,7 @@ class Job:
         self._remove()
 
     def _remove(self) -> None:
-        for path in (self.recipe, *self.logs):
+        for path in (self.recipe, *self.logs, *self.recipe.parent.glob(f"{self.recipe.name}.claim*")):
             path.unlink(missing_ok=True)
 
 
@@ -193,21 +193,24 @@ def start(items: list[Item], target, workers: int | None = None) -> Job:
     for i in range(workers):
         log = Path(f"{name}.{i}.log")
         with open(log, "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "k3lit.kernels.precompile", name, str(i),
-                                           str(workers)], stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([sys.executable, "-m", "k3lit.kernels.precompile", name],
+                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
         logs.append(log)
     return Job(items, procs, logs, Path(name))
 
 
-def _worker(argv: list[str]) -> None:
-    """``python -m k3lit.kernels.precompile RECIPE I N``: compile items ``I::N`` of the pickled ``(items, target)``."""
-    recipe, i, n = argv[0], int(argv[1]), int(argv[2])
+def _worker(recipe: str) -> None:
+    """``python -m k3lit.kernels.precompile RECIPE``: compile the pickled ``(items, target)``, each item by the
+    worker that claims it first (creates ``RECIPE.claim<i>``), so that the workers share them as they come free."""
     with open(recipe, "rb") as f:
         items, target = pickle.load(f)
-    for item in items[i::n]:
+    for i, item in enumerate(items):
+        try:
+            os.close(os.open(f"{recipe}.claim{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
         aot.compile_kernel(item.launch(), target)
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1:])
+    _worker(sys.argv[1])
