@@ -10,8 +10,9 @@ training process traces the model. A launch then finds its kernel in the cache. 
 still compiling when it is first launched is compiled by that launch, as it would be without this.
 
 Recorded: the chunked KDA op with the layer's fused gate and q/k L2 norm, forward and backward (a training step)
-and forward without backward (eager validation, and the no-grad forward of activation checkpointing), and the q|k|v
-short convolution, forward and backward.
+and forward without backward (eager validation, and the no-grad forward of activation checkpointing), the q|k|v
+short convolution, forward and backward, and the attention-residual reads (phase 1, phase 2 and the final
+one-pass read, forward and backward).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from k3lit.kernels import aot
 from k3lit.kernels.kda_validate import largest_safe_chunk
 
-__all__ = ["KDA_BWD_KERNELS", "KDA_FWD_KERNELS", "Job", "kda_launches", "plan", "short_conv_launches", "start"]
+__all__ = ["Job", "attn_res_launches", "kda_launches", "plan", "recipes", "record", "short_conv_launches", "start"]
 
 META = torch.device("meta")
 KDA_FWD_KERNELS = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd")
@@ -38,6 +39,8 @@ KDA_FWD_KERNELS = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd
 KDA_BWD_KERNELS = ("_scan_bwd", "_scan_bwd_t", "_main_bwd")
 """The kernels ``k3lit.kernels.kda.chunk_bwd`` launches."""
 SHORT_CONV_KERNELS = ("_fwd", "_bwd_p", "_bwd_dx")
+ATTN_RES_TWO_PHASE_KERNELS = ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")
+ATTN_RES_MIX_KERNELS = ("_mix_fwd", "_mix_bwd")
 
 
 def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_min: float = -5.0,
@@ -90,7 +93,45 @@ def short_conv_launches(B: int, T: int, C: int, width: int, dtype: torch.dtype,
     return launches
 
 
-_RECORDERS: dict[str, Callable[..., list[aot.Launch]]] = {"kda": kda_launches, "short_conv": short_conv_launches}
+def attn_res_launches(B: int, T: int, D: int, sublayers: int, block_size: int, dtype: torch.dtype,
+                      eps: float = 1e-6, backward: bool = True) -> list[aot.Launch]:
+    """The launches of the attention-residual stream of one training forward (and its backward) over ``sublayers``
+    sublayers in blocks of ``block_size`` (1: Full AttnRes), as :class:`k3lit.nn.attn_res.BlockResidualStream`
+    makes them: at each block's start a phase-1 read of the N summaries so far for the block's sublayers, a
+    phase-2 merge for each sublayer after the block's first, and at the end the one-pass read of every summary and
+    the open block's partial sum. The embedding (the first summary) and the queries are float32, the sublayer
+    outputs, partial sums and phase-1 mixes ``dtype`` (bf16 autocast over float32 weights)."""
+    from k3lit.kernels.attn_res import mix, two_phase
+
+    def x(dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(B, T, D, device=META, dtype=dt)
+
+    blocks, done = [x(torch.float32)], 0
+    with aot.record_launches(two_phase, *ATTN_RES_TWO_PHASE_KERNELS) as phases, \
+            aot.record_launches(mix, *ATTN_RES_MIX_KERNELS) as final:
+        while done < sublayers:
+            S = min(block_size, sublayers - done)
+            queries = torch.empty(S, D, device=META)
+            mixes, lse, su, r, mz = two_phase.inter_fwd(blocks, queries, eps, dtype)
+            partial = x()
+            for j in range(1, S):
+                two_phase.merge_fwd(mixes[j], lse[j], partial, queries[j], eps)
+                if backward:
+                    two_phase.merge_bwd(x(), mixes[j], lse[j], partial, queries[j], eps)
+            if backward:  # the log-sum-exp has a gradient where a merge read it
+                two_phase.inter_bwd(blocks, queries, su, r, mz, [x() for _ in range(S)],
+                                    torch.empty_like(lse) if S > 1 else None)
+            blocks.append(partial)  # a closed block's summary, or the open block's partial sum
+            done += S
+        query = torch.empty(D, device=META)
+        out, src_stats, row_stats = mix.mix_fwd(blocks, query, eps)
+        if backward:
+            mix.mix_bwd(blocks, query, src_stats, row_stats, torch.empty_like(out))
+    return phases + final
+
+
+_RECORDERS: dict[str, Callable[..., list[aot.Launch]]] = {
+    "kda": kda_launches, "short_conv": short_conv_launches, "attn_res": attn_res_launches}
 
 
 @dataclass(frozen=True)
@@ -105,30 +146,45 @@ class Item:
 
     def launch(self) -> aot.Launch:
         """Record the launches again and return this item's."""
-        return _RECORDERS[self.recorder](**dict(self.kwargs))[self.index]
+        return record(self.recorder, dict(self.kwargs))[self.index]
+
+
+def recipes(model_config, batch: int, seq_len: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """``(recorder, kwargs)`` pairs whose :func:`record` is every Triton launch of training ``model_config`` on
+    ``[batch, seq_len]`` batches in ``dtype`` (the autocast dtype), eager validation included: the KDA op and the
+    short convolution (unless the model has no KDA layer or runs it on torch: ``kda_backend`` torch or reference)
+    and the attention-residual stream (unless ``residual`` is plain)."""
+    c, out = model_config, []
+    if "K" in c.layer_pattern and c.kda_backend in ("auto", "triton"):
+        H, K = c.n_heads, c.head_dim
+        kda = dict(B=batch, T=seq_len, H=H, K=K, V=K, dtype=dtype, g_min=float(c.kda_g_min))
+        out += [
+            ("kda", kda),  # a training step
+            ("kda", {**kda, "save": False, "backward": False}),  # eager validation, checkpointing's no-grad forward
+            ("short_conv", dict(B=batch, T=seq_len, C=3 * H * K, width=4, dtype=dtype)),
+        ]
+    if c.residual != "plain":
+        size = 1 if c.residual == "full_attnres" else c.attnres_block_size
+        out.append(("attn_res", dict(B=batch, T=seq_len, D=c.dim, sublayers=2 * c.n_layers, block_size=size,
+                                     dtype=dtype, eps=float(c.norm_eps))))
+    return out
+
+
+def record(recorder: str, kwargs: dict) -> list[aot.Launch]:
+    """The launches recorder ``recorder`` (``kda``, ``short_conv``, ``attn_res``) records with ``kwargs``."""
+    return _RECORDERS[recorder](**kwargs)
 
 
 def plan(model_config, batch: int, seq_len: int, dtype: torch.dtype, target=aot.H200) -> list[Item]:
-    """The distinct kernels (by Triton's specialisation for ``target``) that training ``model_config`` on
-    ``[batch, seq_len]`` batches in ``dtype`` launches through the Triton KDA and short-convolution kernels; empty
-    when the model has no KDA layer or runs them on torch (``kda_backend`` torch or reference).
+    """The distinct kernels (by Triton's specialisation for ``target``) among :func:`recipes`' launches, one
+    :class:`Item` each; empty when there are none.
 
     Raises:
         RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1`` (nothing to compile then).
     """
-    c = model_config
-    if "K" not in c.layer_pattern or c.kda_backend not in ("auto", "triton"):
-        return []
-    H, K = c.n_heads, c.head_dim
-    kda = dict(B=batch, T=seq_len, H=H, K=K, V=K, dtype=dtype, g_min=float(c.kda_g_min))
-    recipes = [
-        ("kda", kda),  # a training step
-        ("kda", {**kda, "save": False, "backward": False}),  # eager validation, checkpointing's no-grad forward
-        ("short_conv", dict(B=batch, T=seq_len, C=3 * H * K, width=4, dtype=dtype)),
-    ]
     items, seen = [], set()
-    for recorder, kwargs in recipes:
-        for i, launch in enumerate(_RECORDERS[recorder](**kwargs)):
+    for recorder, kwargs in recipes(model_config, batch, seq_len, dtype):
+        for i, launch in enumerate(record(recorder, kwargs)):
             key = aot.specialization_key(launch, target)
             if key not in seen:
                 seen.add(key)

@@ -16,14 +16,15 @@ __all__ = ["KernelPrecompile"]
 
 class KernelPrecompile(Callback):
     """At the start of ``fit`` on a CUDA device, start compiling the Triton kernels the model's training step and
-    eager validation will launch (:mod:`k3lit.kernels.precompile`: the KDA op and the short convolution at the
-    data module's ``[batch_size, seq_len]`` and the precision's compute dtype) in worker processes, so that they
-    compile side by side and while torch.compile traces the model, instead of one after another at their first
-    launches. On an already filled Triton cache the workers find every kernel there and exit.
+    eager validation will launch (:mod:`k3lit.kernels.precompile`: the KDA op, the short convolution and the
+    attention-residual reads at the data module's ``[batch_size, seq_len]`` and the precision's compute dtype) in
+    worker processes, so that they compile side by side and while torch.compile traces the model, instead of one
+    after another at their first launches. On an already filled Triton cache the workers find every kernel there
+    and exit.
 
     One set of workers per node (local rank zero); nothing on CPUs, under ``TRITON_INTERPRET=1``, for models
-    without Triton KDA layers, or with a data module that has no ``batch_size`` and ``seq_len``. Workers still
-    compiling when ``fit`` ends are stopped.
+    with neither Triton KDA layers nor attention residuals, or with a data module that has no ``batch_size`` and
+    ``seq_len``. Workers still compiling when ``fit`` ends are stopped.
 
     Args:
         workers: worker processes (None: half the CPUs, at most 8; 0: off).

@@ -3,6 +3,7 @@ cache that later launches read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,8 +14,7 @@ import torch
 from triton.runtime.jit import KernelInterface
 
 from k3lit.kernels import aot, precompile
-from k3lit.model import ModelConfig
-from k3lit.nn.kda import KimiDeltaAttention
+from k3lit.model import K3LM, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,44 +29,56 @@ def _describe(launches: list[aot.Launch]) -> set:
             for x in launches}
 
 
-def _layer_launches(layer: KimiDeltaAttention, x: torch.Tensor, backward: bool) -> list[aot.Launch]:
-    """Every Triton launch of ``layer`` on ``x`` under bf16 autocast (kernels recorded, not run), with a backward."""
+def _model_launches(model: K3LM, idx: torch.Tensor) -> list[aot.Launch]:
+    """Every Triton launch (kernels recorded, not run) of a training step of ``model`` on ``idx`` under bf16
+    autocast, and of a no-grad forward (eager validation)."""
+    from k3lit.kernels.attn_res import mix, two_phase
     from k3lit.kernels.kda import chunk_bwd, chunk_fwd
     from k3lit.kernels.short_conv import conv
 
-    modules = (chunk_fwd, chunk_bwd, conv)
-    recorders = [aot.record_launches(m, *[n for n, v in vars(m).items() if isinstance(v, KernelInterface)])
-                 for m in modules]
-    with recorders[0] as a, recorders[1] as b, recorders[2] as c:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16), torch.set_grad_enabled(backward):
-            y, _ = layer(x)
-        if backward:
-            y.float().sum().backward()
-    return a + b + c
+    launches = []
+    with contextlib.ExitStack() as stack:
+        for m in (chunk_fwd, chunk_bwd, conv, mix, two_phase):
+            names = [n for n, v in vars(m).items() if isinstance(v, KernelInterface)]
+            launches.append(stack.enter_context(aot.record_launches(m, *names)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx)[0].float().sum().backward()
+            with torch.no_grad():
+                model(idx)
+    return [x for part in launches for x in part]
 
 
-@pytest.mark.parametrize("backward", [True, False], ids=["training", "no-grad"])
-def test_planned_launches_are_the_layers(backward):
-    """The KDA layer's real launches (fused gate, q/k L2 norm, short convolution; a training step, and a no-grad
-    forward as in eager validation) under bf16 autocast equal what :func:`precompile.kda_launches` and
-    :func:`precompile.short_conv_launches` record for the same shape: same kernels, dtypes, shapes, integers and
-    constexprs."""
-    B, T, D, H, K = 2, 96, 64, 2, 32
-    layer = KimiDeltaAttention(D, H, K, g_min=-5.0, backend="triton")
-    x = torch.randn(B, T, D, requires_grad=backward)
-    real = _describe(_layer_launches(layer, x, backward))
-    planned = precompile.kda_launches(B, T, H, K, K, torch.bfloat16, -5.0, save=backward, backward=backward)
-    planned += precompile.short_conv_launches(B, T, 3 * H * K, 4, torch.bfloat16, backward=backward)
+@pytest.mark.parametrize("residual,block", [("block_attnres", 3), ("full_attnres", 4), ("plain", 4)])
+def test_planned_launches_are_the_models(monkeypatch, residual, block):
+    """A K3 model's real launches (KDA with its fused gate and q/k L2 norm, the short convolution, the residual
+    stream's reads; a training step and a no-grad forward) under bf16 autocast equal what :func:`precompile.recipes`
+    records for its configuration: the same kernels, dtypes, shapes, integers and constexprs. The attention residuals
+    take their CUDA path (the Triton kernels) on these CPU tensors, under the interpreter."""
+    import k3lit.kernels.attn_res as attn_res_kernels
+    import k3lit.ops.attn_res as attn_res_ops
+
+    monkeypatch.setattr(attn_res_ops, "_dispatch", lambda backend, first: attn_res_kernels)
+    B, T = 2, 96
+    c = ModelConfig(vocab_size=64, dim=64, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=32,
+                    kda_backend="triton", residual=residual, attnres_block_size=block)
+    real = _describe(_model_launches(K3LM(c), torch.randint(0, 64, (B, T))))
+    planned = [x for recorder, kwargs in precompile.recipes(c, B, T, torch.bfloat16)
+               for x in precompile.record(recorder, kwargs)]
     assert real == _describe(planned)
-    assert {x[0] for x in real} >= {"_fwd", "_prep_fwd"}
+    expected = {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx"}
+    if residual != "plain":
+        expected |= {"_inter_fwd", "_inter_bwd_sources", "_mix_bwd"}
+    assert {x[0] for x in real} >= expected
 
 
-def test_nothing_to_plan_without_triton_kda_layers():
-    plain = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16)
-    torch_kda = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16,
-                            kda_backend="torch")
-    assert precompile.plan(plain, 2, 64, torch.bfloat16) == []
-    assert precompile.plan(torch_kda, 2, 64, torch.bfloat16) == []
+def test_nothing_to_record_without_triton_kda_layers_or_attention_residuals():
+    def config(**kw):
+        return ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16, **kw)
+
+    assert precompile.recipes(config(layer_pattern="A", residual="plain"), 2, 64, torch.bfloat16) == []
+    torch_kda = dict(layer_pattern="KA", kda_backend="torch")
+    assert precompile.recipes(config(**torch_kda, residual="plain"), 2, 64, torch.bfloat16) == []
+    assert [r for r, _ in precompile.recipes(config(**torch_kda), 2, 64, torch.bfloat16)] == ["attn_res"]
 
 
 def test_workers_fill_the_cache_later_launches_read(tmp_path):
@@ -86,7 +98,7 @@ items = precompile.plan(c, 2, 128, torch.bfloat16)
 keys = [aot.specialization_key(i.launch()) for i in items]
 assert len(set(keys)) == len(keys) > 3, keys
 names = [i.name for i in items]
-assert {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_p", "_bwd_dx"} <= set(names), names
+assert {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx", "_inter_fwd", "_merge_bwd", "_mix_fwd"} <= set(names), names
 job = precompile.start(items, aot.H200, workers=2)
 assert job.workers == 2
 job.wait()
