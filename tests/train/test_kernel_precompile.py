@@ -34,9 +34,10 @@ def test_nothing_starts_on_a_cpu_trainer():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fit_on_a_gpu_compiles_the_kernels_in_the_background(tmp_path):
-    """``k3lit fit`` of a small KDA model on an empty Triton cache: the callback says how many kernels it compiles,
-    training runs, and the cache holds them afterwards."""
+def test_fit_on_a_gpu_finds_every_kernel_precompiled(tmp_path):
+    """On an empty Triton cache, the kernels :func:`precompile.plan` lists for the tiny recipe's model and batch
+    (compiled for this GPU by the workers) are every kernel an eager ``k3lit fit`` of it then launches, validation
+    included: the fit adds no compiled kernel to the cache. The fit's own log says how many it sent to workers."""
     rng = random.Random(0)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -45,13 +46,31 @@ def test_fit_on_a_gpu_compiles_the_kernels_in_the_background(tmp_path):
     cache = tmp_path / "triton"
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
     env.pop("TRITON_INTERPRET", None)
+    code = """
+import sys, yaml, torch, triton
+from k3lit.kernels import precompile
+from k3lit.model import ModelConfig
+recipe = yaml.safe_load(open(sys.argv[1]))
+c = ModelConfig(**{**recipe["model"], "vocab_size": 257})
+target = triton.runtime.driver.active.get_current_target()
+items = precompile.plan(c, recipe["data"]["batch_size"], recipe["data"]["seq_len"], torch.bfloat16, target)
+precompile.start(items, target).wait()
+print(len(items))
+"""
+    tiny = ROOT / "recipes" / "tiny.yaml"
+    pre = subprocess.run([sys.executable, "-c", code, str(tiny)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert pre.returncode == 0, pre.stderr[-4000:]
+    compiled = sorted(p.name for p in cache.rglob("*.cubin"))
+    assert len(compiled) >= int(pre.stdout.split()[-1]) > 5
     run = subprocess.run(
-        [sys.executable, "-m", "k3lit.cli", "fit", "--config", str(ROOT / "recipes" / "tiny.yaml"),
-         "--trainer.accelerator=gpu", "--trainer.max_steps=3", "--trainer.max_time=null",
-         "--trainer.limit_val_batches=0", "--compile=false", f"--data.corpus={corpus}", "--data.tokenizer=byte",
-         f"--data.cache_dir={tmp_path / 'data'}", f"--trainer.default_root_dir={tmp_path / 'run'}"],
+        [sys.executable, "-m", "k3lit.cli", "fit", "--config", str(tiny), "--trainer.accelerator=gpu",
+         "--trainer.precision=bf16-mixed", "--trainer.max_steps=3", "--trainer.max_time=null",
+         "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2", "--compile=false",
+         f"--data.corpus={corpus}", "--data.tokenizer=byte", f"--data.cache_dir={tmp_path / 'data'}",
+         f"--trainer.default_root_dir={tmp_path / 'run'}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert "Triton kernels in" in out, out[-4000:]
-    assert any(cache.rglob("*.cubin")), sorted(p.name for p in cache.rglob("*"))[:20]
+    assert sorted(p.name for p in cache.rglob("*.cubin")) == compiled
