@@ -12,7 +12,9 @@ still compiling when it is first launched is compiled by that launch, as it woul
 Recorded: the chunked KDA op with the layer's fused gate and q/k L2 norm, forward and backward (a training step)
 and forward without backward (eager validation, and the no-grad forward of activation checkpointing), the q|k|v
 short convolution, forward and backward, and the attention-residual reads (phase 1, phase 2 and the final
-one-pass read, forward and backward).
+one-pass read, forward and backward). The KDA launchers pick their scan kernels by the GPU's SM count, which on
+``meta`` tensors is the H100/H200's 132; on a GPU with another count a scan kernel may differ from the recorded one
+and compile at its launch.
 """
 
 from __future__ import annotations
