@@ -238,9 +238,13 @@ def start(items: list[Item], target, workers: int | None = None) -> Job:
 
     The workers are fresh interpreters (``python -m k3lit.kernels.precompile``), not forks or multiprocessing
     children: those would copy a process holding a CUDA context, or re-import the caller's ``__main__``. They
-    inherit the environment, so they write the Triton cache (``TRITON_CACHE_DIR``) this process reads, and touch no
-    GPU.
+    inherit the environment and touch no GPU. Where ``TRITON_CACHE_DIR`` is unset, it is set here to the folder
+    Triton uses now, in this process and so in the workers: torch.compile points an unset one at its own folder when
+    it first loads a compiled kernel, after which this process would no longer read what the workers wrote.
     """
+    from triton import knobs
+
+    os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
     if workers is None:
         workers = min(8, max(1, (os.cpu_count() or 2) // 2))
     workers = max(1, min(workers, len(items)))

@@ -139,3 +139,26 @@ precompile.start([item], aot.H200, workers=1).wait()
                          timeout=300)
     assert run.returncode != 0
     assert "precompile worker exited with 1" in run.stderr and "not a compilable JITFunction" in run.stderr
+
+
+def test_an_unset_cache_folder_is_pinned_where_the_workers_write(tmp_path):
+    """Without TRITON_CACHE_DIR, start() sets it to Triton's folder of the moment (under HOME here), where the
+    worker's kernel lands; torch.compile then finds it set and leaves it (it sets an unset one to its own folder)."""
+    code = """
+import os, torch
+from pathlib import Path
+from k3lit.kernels import aot, precompile
+assert "TRITON_CACHE_DIR" not in os.environ
+kwargs = (("B", 1), ("T", 16), ("C", 8), ("width", 4), ("dtype", torch.bfloat16))
+precompile.start([precompile.Item("short_conv", kwargs, 0, "_fwd")], aot.H200, workers=1).wait()
+folder = Path(os.environ["TRITON_CACHE_DIR"])
+assert folder == Path.home() / ".triton" / "cache", folder
+assert list(folder.rglob("*.cubin"))
+print("pinned")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    env["HOME"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "pinned" in run.stdout

@@ -74,3 +74,32 @@ print(len(items))
     assert run.returncode == 0, out[-4000:]
     assert "Triton kernels in" in out, out[-4000:]
     assert sorted(p.name for p in cache.rglob("*.cubin")) == compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_fit_reads_the_kernels_where_the_workers_wrote_them(tmp_path):
+    """A compiled ``k3lit fit`` with TRITON_CACHE_DIR unset (torch.compile would point it at its own folder): our
+    kernels are compiled into Triton's default folder only (by the workers, or by a launch that found them there),
+    none into torch.compile's folder."""
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(3000)))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    env.update(HOME=str(tmp_path / "home"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    run = subprocess.run(
+        [sys.executable, "-m", "k3lit.cli", "fit", "--config", str(ROOT / "recipes" / "tiny.yaml"),
+         "--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed", "--trainer.max_steps=3",
+         "--trainer.max_time=null", "--trainer.limit_val_batches=0", "--compile=true", f"--data.corpus={corpus}",
+         "--data.tokenizer=byte", f"--data.cache_dir={tmp_path / 'data'}",
+         f"--trainer.default_root_dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    ours = ("_prep_fwd", "_main_bwd", "_inter_fwd", "_mix_fwd", "_bwd_dx")
+    default = [p.stem for p in (tmp_path / "home" / ".triton" / "cache").rglob("*.cubin")]
+    inductor = [p.stem for p in (tmp_path / "inductor").rglob("*.cubin")]
+    assert set(ours) <= set(default), sorted(default)
+    assert not set(ours) & set(inductor), sorted(inductor)
