@@ -41,15 +41,16 @@ from benchmarks.results import command, versions, write_section  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def k3lit(*args: str, log: Path) -> None:
-    """Run ``python -m k3lit.cli args`` from the repository root, output to ``log``.
+def k3lit(*args: str, log: Path, env: dict[str, str] | None = None) -> None:
+    """Run ``python -m k3lit.cli args`` from the repository root, output to ``log``, in ``env`` (default: this
+    process's environment).
 
     Raises:
         RuntimeError: the command failed (its log's last lines in the message).
     """
     with open(log, "w") as out:
-        rc = subprocess.run([sys.executable, "-m", "k3lit.cli", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-                            ).returncode
+        rc = subprocess.run([sys.executable, "-m", "k3lit.cli", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                            env=env).returncode
     if rc:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
         raise RuntimeError(f"k3lit {args[0]} failed ({rc}); the end of {log}:\n{tail}")

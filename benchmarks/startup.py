@@ -1,0 +1,106 @@
+"""Start-up of ``k3lit fit``: the first optimizer step on empty compile caches, with and without the background kernel
+compilation, and on the caches a first run left.
+
+    python benchmarks/startup.py --json benchmarks/startup_h200.json          # on the GPU: small and small_plain
+    python benchmarks/startup.py --from_json benchmarks/startup_h200.json     # RESULTS.md section only
+
+Per recipe, fresh ``k3lit fit --trainer.max_steps=N`` processes of the recipe as shipped (no validation), in this
+order: ``cold, no precompile`` (empty Triton and inductor cache folders, ``TRITON_CACHE_DIR`` and
+``TORCHINDUCTOR_CACHE_DIR``; ``KernelPrecompile`` off), ``cold`` (new empty folders, ``KernelPrecompile`` on, the
+default) and ``warm`` (the folders the ``cold`` run filled). Each row holds the run summary's first step (seconds
+from the start of training to the end of the first optimizer step, compilation included, the device synchronised)
+and the process's wall time (interpreter start, imports, model build and data loaders included). The corpus is
+prepared first (``k3lit prepare``), outside the timings. Writes the raw rows (``--json``) and RESULTS.md's section
+"Start-up (<GPU>)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.race import first_step_seconds, k3lit  # noqa: E402
+from benchmarks.results import command, versions, write_section  # noqa: E402
+
+OFF = ["--trainer.callbacks+=k3lit.train.kernel_precompile.KernelPrecompile", "--trainer.callbacks.workers=0"]
+MODES = ("cold, no precompile", "cold", "warm")
+
+
+def run(recipe: str, mode: str, caches: Path, a: argparse.Namespace, out: Path) -> dict:
+    """One ``k3lit fit`` of ``recipe`` with its compile caches in ``caches``; the first step and the wall time."""
+    name = f"{Path(recipe).stem}-{mode.replace(', ', '-').replace(' ', '-')}"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
+    t0 = time.perf_counter()
+    k3lit("fit", "--config", recipe, f"--trainer.max_steps={a.steps}", "--trainer.max_time=null",
+          "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={out / name}", *a.fit_args,
+          *(OFF if mode == "cold, no precompile" else []), log=out / f"{name}.log", env=env)
+    wall = time.perf_counter() - t0
+    first = first_step_seconds((out / f"{name}.log").read_text())
+    if first is None:
+        raise RuntimeError(f"no first-step time in {out / name}.log")
+    return {"recipe": recipe, "mode": mode, "first_step_s": first, "process_s": wall}
+
+
+def startup(a: argparse.Namespace) -> dict:
+    """Every recipe in every mode (module docstring); the rows and this process's versions."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for recipe in a.recipes:
+        k3lit("prepare", "--config", recipe, *[x for x in a.fit_args if x.startswith("--data.")],
+              log=out / f"{Path(recipe).stem}-prepare.log")
+        with tempfile.TemporaryDirectory(prefix="k3lit-startup-") as tmp:
+            for mode in MODES:
+                caches = Path(tmp) / ("none" if mode == "cold, no precompile" else "shared")
+                rows.append(run(recipe, mode, caches, a, out))
+                print(f"{recipe}  {mode:20s}  first step {rows[-1]['first_step_s']:6.1f} s  "
+                      f"process {rows[-1]['process_s']:6.1f} s", flush=True)
+    return {"steps": a.steps, "env": versions(), "command": command(), "rows": rows}
+
+
+def table(result: dict) -> str:
+    """RESULTS.md's section body: one row per recipe and mode."""
+    env = result["env"]
+    lines = [f"{env['date']}, {env['device']}, torch {env['torch']}, triton {env['triton']}; {result['command']}. "
+             f"Each row a fresh `k3lit fit` process of the recipe as shipped, {result['steps']} steps, no validation. "
+             "First step: from the start of training to the end of the first optimizer step (compilation "
+             "included); process: the whole command, interpreter start and model build included. `cold`: empty "
+             "Triton and inductor caches; `warm`: the caches the `cold` run left; `no precompile`: "
+             "`KernelPrecompile` off (the Triton kernels compile at their first launches).", "",
+             "| recipe | caches | first step (s) | process (s) |", "|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {r['first_step_s']:.1f} | {r['process_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", nargs="+", default=["recipes/small.yaml", "recipes/small_plain.yaml"])
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run")
+    p.add_argument("--out", default="runs/startup", help="folder of the runs and their logs")
+    p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
+    p.add_argument("--json", help="write the raw rows here")
+    p.add_argument("--results", default=None, help="the results file (default benchmarks/RESULTS.md)")
+    p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
+    result = json.loads(Path(a.from_json).read_text()) if a.from_json else startup(a)
+    if a.json and not a.from_json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    extra = {} if a.results is None else {"path": Path(a.results)}
+    write_section(f"Start-up ({result['env']['device']})", table(result), **extra)
+
+
+if __name__ == "__main__":
+    main()

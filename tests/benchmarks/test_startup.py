@@ -1,0 +1,25 @@
+"""benchmarks/startup.py on CPU: a narrowed recipe through real `k3lit prepare` and `k3lit fit`, three cache modes."""
+
+from __future__ import annotations
+
+import yaml
+
+from benchmarks.startup import MODES, parser, startup, table
+
+
+def test_three_modes_of_one_recipe(tmp_path):
+    model = dict(dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=64)
+    data = dict(corpus="stdlib", tokenizer="byte", seq_len=32, batch_size=2, val_fraction=0.05,
+                cache_dir=str(tmp_path / "data"))
+    trainer = dict(accelerator="cpu", devices=1, log_every_n_steps=1, enable_model_summary=False)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": model, "data": data, "trainer": trainer, "compile": False}))
+    a = parser().parse_args(["--recipes", str(recipe), "--steps", "2", "--out", str(tmp_path / "runs")])
+    result = startup(a)
+    assert [r["mode"] for r in result["rows"]] == list(MODES)
+    for r in result["rows"]:
+        assert 0 <= r["first_step_s"] < r["process_s"], r
+    log = (tmp_path / "runs" / "r-cold-no-precompile.log").read_text()
+    assert "steps          2" in log
+    text = table(result)
+    assert text.count("| `r` |") == 3 and "| cold, no precompile |" in text and "| warm |" in text
