@@ -6,7 +6,7 @@ import os
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from k3lit.train.flops import compute_dtype
@@ -24,7 +24,8 @@ class KernelPrecompile(Callback):
 
     One set of workers per node (local rank zero); nothing on CPUs, under ``TRITON_INTERPRET=1``, for models
     with neither Triton KDA layers nor attention residuals, or with a data module that has no ``batch_size`` and
-    ``seq_len``. Workers still compiling when ``fit`` ends are stopped.
+    ``seq_len``. Workers still compiling when ``fit`` ends are stopped. A failure to plan or start them is a warning,
+    never an error: the kernels then compile at their first launches, as without this callback.
 
     Args:
         workers: worker processes (None: half the CPUs, at most 8; 0: off).
@@ -49,10 +50,15 @@ class KernelPrecompile(Callback):
 
         from k3lit.kernels import precompile
 
-        target = triton.runtime.driver.active.get_current_target()
-        items = precompile.plan(config, batch, seq_len, compute_dtype(trainer.precision), target)
-        if items:
-            self._job = precompile.start(items, target, self.workers)
+        try:
+            target = triton.runtime.driver.active.get_current_target()
+            items = precompile.plan(config, batch, seq_len, compute_dtype(trainer.precision), target)
+            self._job = precompile.start(items, target, self.workers) if items else None
+        except Exception as e:  # noqa: BLE001 - a speed-up that fails must not stop the run
+            rank_zero_warn(f"k3lit: no background kernel compilation ({type(e).__name__}: {e}); the kernels "
+                           "compile at their first launches")
+            return
+        if self._job is not None:
             rank_zero_info(f"k3lit: compiling {len(items)} Triton kernels in {self._job.workers} background "
                            "processes")
 
