@@ -107,7 +107,8 @@ def drift(a: argparse.Namespace) -> dict:
 def table(result: dict) -> str:
     """RESULTS.md's section body."""
     env, d, n = result["env"], result["drift"], result["noise"]
-    verdict = ("within the run-to-run noise" if d["max"] <= n["max"] else
+    verdict = ("none, every step's loss is the same" if d["max"] == 0 else
+               "within the run-to-run noise" if d["max"] <= n["max"] else
                f"{d['max'] / n['max']:.1f}x the run-to-run noise at most" if n["max"] > 0 else
                "beyond the noise (the runs of this tree agree exactly)")
     return "\n".join([

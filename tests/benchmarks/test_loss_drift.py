@@ -26,7 +26,7 @@ def test_the_same_tree_drifts_by_nothing_and_a_changed_model_drifts(tmp_path):
     result = drift(a)
     assert result["drift"] == {"steps": 4, "max": 0.0, "mean": 0.0}
     assert result["noise"] == {"steps": 4, "max": 0.0, "mean": 0.0}
-    assert "Drift: within the run-to-run noise." in table(result)
+    assert "Drift: none, every step's loss is the same." in table(result)
     # a changed model (another learning rate) against this tree's run drifts
     a.fit_args = ["--optim.lr=0.05"]
     changed = fit_losses(ROOT, "this-lr", a, tmp_path / "runs")
