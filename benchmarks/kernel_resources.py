@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import write_section  # noqa: E402
-from k3lit.kernels import aot, precompile  # noqa: E402
+from k3lit.kernels import aot  # noqa: E402
+from k3lit.kernels.launches import kda_launches  # noqa: E402
 
 # Hopper (sm_90) per-SM limits: 64K 32-bit registers, allocated per warp in 256-register units of
 # 8-register-per-thread steps; 228 KiB shared memory with 1 KiB reserved per block; 64 warps; 32 blocks.
@@ -56,8 +57,7 @@ def _kda(B: int, T: int, H: int, K: int, V: int, gate: bool, l2: bool, dtype: to
             plan.TUNING.clear()
             plan.TUNING.update(saved)
 
-    recorded = precompile.kda_launches(B, T, H, K, V, dtype, -5.0, fused_gate=gate, qk_l2norm=l2, save=save,
-                                       beta_dtype=dtype)
+    recorded = kda_launches(B, T, H, K, V, dtype, -5.0, fused_gate=gate, qk_l2norm=l2, save=save, beta_dtype=dtype)
     launches = list({x.name: x for x in reversed(recorded)}.values())[::-1]  # pipeline segments relaunch a kernel
     if scans_only:
         return [x for x in launches if x.name.startswith(("_scan", "_out"))]

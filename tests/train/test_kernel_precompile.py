@@ -7,14 +7,13 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 
 from k3lit.model import ModelConfig
 from k3lit.train.kernel_precompile import KernelPrecompile
-from k3lit.train.module import K3LitModule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,12 +23,97 @@ def test_negative_workers_are_refused():
         KernelPrecompile(workers=-1)
 
 
-def test_nothing_starts_on_a_cpu_trainer():
+def _fake(monkeypatch, local_rank=0, device="cuda", precision="bf16-mixed", plan=None, job=None):
+    """A trainer and module with what setup reads, on a "cuda" device, with the GPU query and the precompile
+    module's plan/start replaced (this machine has no GPU); returns them and the calls start received."""
+    import k3lit.kernels.precompile as precompile
+    import k3lit.train.kernel_precompile as module
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(module, "_gpu", lambda device: ("target", 132))
+    calls = []
+    monkeypatch.setattr(precompile, "pin_cache_dir", lambda: calls.append("pin"))
+    monkeypatch.setattr(precompile, "plan", plan or (lambda *a: ["item"]))
+    monkeypatch.setattr(precompile, "start", lambda items, target, workers: calls.append((items, target, workers))
+                        or job)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), local_rank=local_rank,
+                              precision=precision, datamodule=SimpleNamespace(batch_size=2, seq_len=64))
+    module_ = SimpleNamespace(model_config=ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA",
+                                                       n_heads=2, head_dim=16))
+    return trainer, module_, calls
+
+
+class _Job:
+    workers = 3
+
+    def __init__(self, failures=()):
+        self.closed, self._failures = 0, list(failures)
+
+    def close(self):
+        self.closed += 1
+        return self._failures
+
+
+def test_rank_zero_starts_the_workers_and_teardown_stops_them(monkeypatch):
+    job = _Job()
+    trainer, module_, calls = _fake(monkeypatch, job=job)
+    cb = KernelPrecompile(workers=3)
+    cb.setup(trainer, module_, "fit")
+    assert calls == ["pin", (["item"], "target", 3)] and cb._job is job
+    cb.teardown(trainer, module_, "fit")
+    assert job.closed == 1 and cb._job is None
+
+
+def test_an_exception_in_fit_stops_the_workers(monkeypatch):
+    job = _Job()
+    trainer, module_, _ = _fake(monkeypatch, job=job)
     cb = KernelPrecompile()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    module = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16))
-    cb.setup(trainer, module, "fit")
-    assert cb._job is None
+    cb.setup(trainer, module_, "fit")
+    cb.on_exception(trainer, module_, KeyboardInterrupt())
+    assert job.closed == 1 and cb._job is None
+
+
+def test_other_ranks_pin_the_cache_folder_only(monkeypatch):
+    trainer, module_, calls = _fake(monkeypatch, local_rank=1)
+    KernelPrecompile().setup(trainer, module_, "fit")
+    assert calls == ["pin"]
+
+
+@pytest.mark.parametrize("case", ["workers=0", "cpu", "interpreter", "validate"])
+def test_nothing_starts_where_nothing_compiles(monkeypatch, case):
+    trainer, module_, calls = _fake(monkeypatch, device="cpu" if case == "cpu" else "cuda")
+    if case == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cb = KernelPrecompile(workers=0 if case == "workers=0" else None)
+    cb.setup(trainer, module_, "validate" if case == "validate" else "fit")
+    assert calls == [] and cb._job is None
+
+
+def test_a_failure_to_plan_is_a_warning(monkeypatch):
+    def plan(*a):
+        raise RuntimeError("no compiler")
+
+    trainer, module_, calls = _fake(monkeypatch, plan=plan)
+    cb = KernelPrecompile()
+    with pytest.warns(UserWarning, match="no background kernel compilation .RuntimeError: no compiler"):
+        cb.setup(trainer, module_, "fit")
+    assert cb._job is None and calls == ["pin"]
+
+
+def test_a_kernel_a_worker_could_not_compile_is_a_warning_at_teardown(monkeypatch):
+    trainer, module_, _ = _fake(monkeypatch, job=_Job(failures=["worker 0 exited with 1: IndexError"]))
+    cb = KernelPrecompile()
+    cb.setup(trainer, module_, "fit")
+    with pytest.warns(UserWarning, match="background kernel compilation failed .*IndexError"):
+        cb.teardown(trainer, module_, "fit")
+
+
+def test_true_precisions_record_weights_in_the_compute_dtype(monkeypatch):
+    seen = []
+    trainer, module_, _ = _fake(monkeypatch, precision="bf16-true",
+                                plan=lambda *a: seen.append(a) or ["item"], job=_Job())
+    KernelPrecompile().setup(trainer, module_, "fit")
+    assert seen[0][1:] == (2, 64, torch.bfloat16, torch.bfloat16, 132, "target")
 
 
 @pytest.mark.gpu
