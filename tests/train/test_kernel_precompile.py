@@ -6,11 +6,13 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from k3lit.model import ModelConfig
 from k3lit.train.kernel_precompile import KernelPrecompile
@@ -163,9 +165,9 @@ print(len(items))
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_fit_reads_the_kernels_where_the_workers_wrote_them(tmp_path):
-    """A compiled ``k3lit fit`` with TRITON_CACHE_DIR unset (torch.compile would point it at its own folder): our
-    kernels are compiled into Triton's default folder only (by the workers, or by a launch that found them there),
-    none into torch.compile's folder."""
+    """A compiled ``k3lit fit`` with TRITON_CACHE_DIR unset (torch.compile would point it at its own folder): each
+    kernel the plan lists has exactly one binary, in Triton's default folder, where the workers wrote it and the
+    launches found it; none is in torch.compile's folder."""
     rng = random.Random(0)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -182,8 +184,18 @@ def test_compiled_fit_reads_the_kernels_where_the_workers_wrote_them(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
-    ours = ("_prep_fwd", "_main_bwd", "_inter_fwd", "_mix_fwd", "_bwd_dx")
-    default = [p.stem for p in (tmp_path / "home" / ".triton" / "cache").rglob("*.cubin")]
-    inductor = [p.stem for p in (tmp_path / "inductor").rglob("*.cubin")]
-    assert set(ours) <= set(default), sorted(default)
-    assert not set(ours) & set(inductor), sorted(inductor)
+    import triton
+
+    from k3lit.kernels.precompile import plan
+
+    recipe = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    items = plan(ModelConfig(**{**recipe["model"], "vocab_size": 257}), recipe["data"]["batch_size"],
+                 recipe["data"]["seq_len"], torch.bfloat16, torch.float32, sms,
+                 triton.runtime.driver.active.get_current_target())
+    planned = Counter(i.name for i in items)
+    default = Counter(p.stem for p in (tmp_path / "home" / ".triton" / "cache").rglob("*.cubin"))
+    inductor = Counter(p.stem for p in (tmp_path / "inductor").rglob("*.cubin"))
+    # one binary per planned kernel: a launch that specialised otherwise would have added a second one
+    assert {name: default[name] for name in planned} == dict(planned), sorted(default)
+    assert not set(planned) & set(inductor), sorted(inductor)
