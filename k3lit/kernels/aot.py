@@ -86,7 +86,7 @@ _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _packed(launch: Launch, target: GPUTarget):
+def _packed(launch: Launch, target: GPUTarget) -> tuple[dict, dict, dict, object]:
     """``(signature, constexprs, attrs, options)`` of ``launch`` as Triton's launcher packs them for ``target``."""
     fn = launch.kernel
     if not isinstance(fn, JITFunction):

@@ -23,12 +23,16 @@ import traceback
 import weakref
 from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from triton.backends.compiler import GPUTarget
 
 from k3lit.kernels import aot
 from k3lit.kernels.launches import H200_SMS, recipes, record
+
+if TYPE_CHECKING:
+    from k3lit.model import ModelConfig
 
 __all__ = ["Item", "Job", "pin_cache_dir", "plan", "start"]
 
@@ -51,8 +55,9 @@ class Item:
         return record(self.recorder, dict(self.kwargs))[self.index]
 
 
-def plan(model_config, batch: int, seq_len: int, dtype: torch.dtype, param_dtype: torch.dtype = torch.float32,
-         sm_count: int = H200_SMS, target: GPUTarget = aot.H200) -> list[Item]:
+def plan(model_config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
+         param_dtype: torch.dtype = torch.float32, sm_count: int = H200_SMS, target: GPUTarget = aot.H200
+         ) -> list[Item]:
     """The distinct kernels (by Triton's specialisation for ``target``) among the launches of
     :func:`k3lit.kernels.launches.recipes` for ``model_config`` (a :class:`k3lit.model.ModelConfig`), ``[batch,
     seq_len]`` batches, compute ``dtype``, weights in ``param_dtype`` and a GPU of ``sm_count`` SMs; one
