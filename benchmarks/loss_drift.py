@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.race import read_csv  # noqa: E402
-from benchmarks.results import command, versions, write_section  # noqa: E402
+from benchmarks.results import add_output_arguments, command, run_or_load, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,9 +129,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default="runs/loss_drift", help="folder of the runs, their logs and corpora")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
-    p.add_argument("--json", help="write the raw losses here")
-    p.add_argument("--results", default=None, help="the results file (default benchmarks/RESULTS.md)")
-    p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
+    add_output_arguments(p, "raw losses")
     return p
 
 
@@ -141,11 +138,7 @@ def main() -> None:
     a = p.parse_args()
     if not (a.from_json or a.base or a.base_tree):
         p.error("give --base REVISION, --base_tree FOLDER or --from_json FILE")
-    result = json.loads(Path(a.from_json).read_text()) if a.from_json else drift(a)
-    if a.json and not a.from_json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
-    extra = {} if a.results is None else {"path": Path(a.results)}
-    write_section(f"Loss drift ({result['env']['device']})", table(result), **extra)
+    run_or_load(a, drift, "Loss drift", table)
 
 
 if __name__ == "__main__":

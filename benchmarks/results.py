@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import platform
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,3 +58,22 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
     path.write_text(text)
+
+
+def add_output_arguments(p: argparse.ArgumentParser, raw: str) -> None:
+    """``--json`` (write ``raw`` there), ``--results`` (the results file) and ``--from_json`` (only write the section
+    from a stored run), the arguments :func:`run_or_load` reads."""
+    p.add_argument("--json", help=f"write the {raw} here")
+    p.add_argument("--results", default=None, help="the results file (default benchmarks/RESULTS.md)")
+    p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
+
+
+def run_or_load(a: argparse.Namespace, measure: Callable[[argparse.Namespace], dict], title: str,
+                table: Callable[[dict], str]) -> dict:
+    """``measure(a)`` (written to ``a.json`` when given), or the stored result of ``a.from_json``; then the section
+    ``title + " (<device>)"`` of ``a.results`` (default RESULTS.md) as ``table(result)``. Returns the result."""
+    result = json.loads(Path(a.from_json).read_text()) if a.from_json else measure(a)
+    if a.json and not a.from_json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    write_section(f"{title} ({result['env']['device']})", table(result), RESULTS if a.results is None else a.results)
+    return result

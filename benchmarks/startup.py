@@ -17,7 +17,6 @@ prepared first (``k3lit prepare``), outside the timings. Writes the raw rows (``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.race import first_step_seconds, k3lit  # noqa: E402
-from benchmarks.results import command, versions, write_section  # noqa: E402
+from benchmarks.results import add_output_arguments, command, run_or_load, versions  # noqa: E402
 
 OFF = ["--trainer.callbacks+=k3lit.train.kernel_precompile.KernelPrecompile", "--trainer.callbacks.workers=0"]
 MODES = ("cold, no precompile", "cold", "warm")
@@ -87,19 +86,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run")
     p.add_argument("--out", default="runs/startup", help="folder of the runs and their logs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
-    p.add_argument("--json", help="write the raw rows here")
-    p.add_argument("--results", default=None, help="the results file (default benchmarks/RESULTS.md)")
-    p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
+    add_output_arguments(p, "raw rows")
     return p
 
 
 def main() -> None:
-    a = parser().parse_args()
-    result = json.loads(Path(a.from_json).read_text()) if a.from_json else startup(a)
-    if a.json and not a.from_json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
-    extra = {} if a.results is None else {"path": Path(a.results)}
-    write_section(f"Start-up ({result['env']['device']})", table(result), **extra)
+    run_or_load(parser().parse_args(), startup, "Start-up", table)
 
 
 if __name__ == "__main__":
