@@ -11,15 +11,12 @@ layers pass them; :func:`recipes` lists the recorder calls of a whole model, :fu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from k3lit.kernels import aot
 from k3lit.kernels.kda_validate import largest_safe_chunk
-
-if TYPE_CHECKING:
-    from k3lit.model import ModelConfig
 
 __all__ = ["attn_res_launches", "kda_launches", "recipes", "record", "short_conv_launches"]
 
@@ -134,7 +131,7 @@ _RECORDERS: dict[str, Callable[..., list[aot.Launch]]] = {
     "kda": kda_launches, "short_conv": short_conv_launches, "attn_res": attn_res_launches}
 
 
-def recipes(model_config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
+def recipes(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
             param_dtype: torch.dtype = torch.float32, sm_count: int = H200_SMS) -> list[tuple[str, dict]]:
     """``(recorder, kwargs)`` pairs whose :func:`record` is every Triton launch of training ``model_config``
     (a :class:`k3lit.model.ModelConfig`) on ``[batch, seq_len]`` batches, eager validation included: the KDA op and

@@ -23,16 +23,13 @@ import traceback
 import weakref
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from triton.backends.compiler import GPUTarget
 
 from k3lit.kernels import aot
 from k3lit.kernels.launches import H200_SMS, recipes, record
-
-if TYPE_CHECKING:
-    from k3lit.model import ModelConfig
 
 __all__ = ["Item", "Job", "pin_cache_dir", "plan", "start"]
 
@@ -55,7 +52,7 @@ class Item:
         return record(self.recorder, dict(self.kwargs))[self.index]
 
 
-def plan(model_config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype,
+def plan(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
          param_dtype: torch.dtype = torch.float32, sm_count: int = H200_SMS, target: GPUTarget = aot.H200
          ) -> list[Item]:
     """The distinct kernels (by Triton's specialisation for ``target``) among the launches of
