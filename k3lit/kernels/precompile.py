@@ -58,7 +58,8 @@ def plan(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
     """The distinct kernels (by Triton's specialisation for ``target``) among the launches of
     :func:`k3lit.kernels.launches.recipes` for ``model_config`` (a :class:`k3lit.model.ModelConfig`), ``[batch,
     seq_len]`` batches, compute ``dtype``, weights in ``param_dtype`` and a GPU of ``sm_count`` SMs; one
-    :class:`Item` each, in recording order; empty when there are none.
+    :class:`Item` each, the forward kernels first (a step launches them first), then the backward ones, each in
+    recording order; empty when there are none.
 
     Raises:
         RuntimeError: the kernels were defined under ``TRITON_INTERPRET=1`` (nothing to compile then).
@@ -70,7 +71,7 @@ def plan(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
             if key not in seen:
                 seen.add(key)
                 items.append(Item(recorder, tuple(kwargs.items()), i, launch.name))
-    return items
+    return sorted(items, key=lambda item: "bwd" in item.name)  # stable: recording order within each
 
 
 def pin_cache_dir() -> str:

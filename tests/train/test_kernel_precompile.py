@@ -127,7 +127,7 @@ def test_fit_on_a_gpu_finds_every_kernel_precompiled(tmp_path):
     rng = random.Random(0)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    for i in range(8):
+    for i in range(20):
         (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(3000)))
     cache = tmp_path / "triton"
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
@@ -139,7 +139,9 @@ from k3lit.model import ModelConfig
 recipe = yaml.safe_load(open(sys.argv[1]))
 c = ModelConfig(**{**recipe["model"], "vocab_size": 257})
 target = triton.runtime.driver.active.get_current_target()
-items = precompile.plan(c, recipe["data"]["batch_size"], recipe["data"]["seq_len"], torch.bfloat16, target)
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+items = precompile.plan(c, recipe["data"]["batch_size"], recipe["data"]["seq_len"], torch.bfloat16,
+                        param_dtype=torch.float32, sm_count=sms, target=target)
 precompile.start(items, target).wait()
 print(len(items))
 """
@@ -171,7 +173,7 @@ def test_compiled_fit_reads_the_kernels_where_the_workers_wrote_them(tmp_path):
     rng = random.Random(0)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    for i in range(8):
+    for i in range(20):
         (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(3000)))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
     env.update(HOME=str(tmp_path / "home"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
