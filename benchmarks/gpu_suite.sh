@@ -15,13 +15,14 @@
 # fused gate and q/k L2 norm"), accuracy ("KDA accuracy over draws"), first_call ("KDA first call"), attnres
 # ("Attention residuals × checkpointing (<GPU>, 300m, batch 8)"), mix ("Attention residuals: depth-mix kernel
 # (<GPU>)"), moe ("MoE: experts and balancing overhead"), throughput ($LOGS/throughput_small.json; write its
-# section with `python benchmarks/throughput.py --from_json ...`).
+# section with `python benchmarks/throughput.py --from_json ...`), startup ("Start-up (<GPU>)": `small` on empty and
+# warm compile caches; prepares the python corpus first, about 95 s).
 set -u
 cd "$(git rev-parse --show-toplevel)"
 LOGS=${LOGS:-/tmp/k3lit-gpu}
 mkdir -p "$LOGS"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$LOGS/triton-cache}
-ALL="tests kda fused accuracy first_call attnres mix moe throughput"
+ALL="tests kda fused accuracy first_call attnres mix moe throughput startup"
 STEPS=" ${*:-$ALL} "
 t0=$(date +%s)
 stamp() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
@@ -34,7 +35,7 @@ if want kda; then
   for i in $(seq 0 5); do python benchmarks/kda.py --fla-compile-worker "$i/6" > "$LOGS/worker$i.log" 2>&1 & done
 fi
 if want tests; then
-  timeout 360 python -m pytest -q -m gpu tests/kernels tests/test_model.py tests/nn -p no:cacheprovider \
+  timeout 540 python -m pytest -q -m gpu tests/kernels tests/test_model.py tests/nn tests/train -p no:cacheprovider \
     > "$LOGS/pytest.log" 2>&1
   stamp "GPU tests: $(tail -1 "$LOGS/pytest.log")"
 fi
@@ -69,5 +70,9 @@ fi
 if want throughput; then
   timeout 150 python benchmarks/throughput.py --recipe recipes/small.yaml --json "$LOGS/throughput_small.json" \
     --lightning "$LOGS/lightning" > "$LOGS/throughput.log" 2>&1; stamp "throughput.py (rc $?)"
+fi
+if want startup; then
+  timeout 540 python benchmarks/startup.py --recipes recipes/small.yaml --out "$LOGS/startup" \
+    --json "$LOGS/startup_h200.json" > "$LOGS/startup.log" 2>&1; stamp "startup.py (rc $?)"
 fi
 if want kda; then grep -h "^| \|Target" "$LOGS/kda.log" | tail -12; fi
