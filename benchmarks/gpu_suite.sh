@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements behind benchmarks/RESULTS.md, in the order that keeps the GPU free for every timing: the
 # GPU tests and fla's compile workers first (they share the GPU, but time nothing), then each benchmark alone. Each
-# benchmark writes its own RESULTS.md section; logs go to $LOGS. On one H200 the tests take about 3.5 minutes and
-# kda with its compile workers about 8.5 on an empty Triton cache; first_call with fla takes up to 14 minutes (its
-# fla processes are given 420 s each). Name the steps to run when a call has a time limit (and write the logs
+# benchmark writes its own RESULTS.md section; logs go to $LOGS. On one H200 the tests took about 3.5 minutes before
+# tests/train's GPU fits joined them (not timed yet), and kda with its compile workers about 8.5 on an empty Triton
+# cache; first_call with fla takes up to 14 minutes (its fla processes are given 420 s each). Name the steps to run when a call has a time limit (and write the logs
 # where the call returns files):
 #
 #   bash benchmarks/gpu_suite.sh                      # every step, from the repository root (k3lit, fla importable)
