@@ -105,9 +105,9 @@ def test_nothing_to_record_without_triton_kda_layers_or_attention_residuals():
 
 
 def test_workers_fill_the_cache_later_launches_read(tmp_path):
-    """In a process without the interpreter: the plan of a small KDA model holds each distinct kernel once; two
-    workers compile it for the H200 into an empty Triton cache; compiling every planned launch again in this
-    process then adds nothing to the cache (each is a hit). A stopped job leaves no process or file behind."""
+    """In a process without the interpreter: two workers compile the plan of a small K3 model for the H200 into an
+    empty Triton cache; compiling every planned launch again in this process then adds nothing to the cache (each is
+    a hit). A stopped job leaves no process or file behind."""
     code = """
 import sys
 from pathlib import Path
@@ -118,8 +118,6 @@ from k3lit.model import ModelConfig
 cache = Path(sys.argv[1])
 c = ModelConfig(vocab_size=64, dim=64, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=32)
 items = precompile.plan(c, 2, 128, torch.bfloat16)
-keys = [aot.specialization_key(i.launch()) for i in items]
-assert len(set(keys)) == len(keys) > 3, keys
 names = [i.name for i in items]
 assert {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx", "_inter_fwd", "_merge_bwd", "_mix_fwd"} <= set(names), names
 job = precompile.start(items, aot.H200, workers=2)
