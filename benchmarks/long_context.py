@@ -67,7 +67,8 @@ def table(result: dict) -> str:
         "| T | batch | " + " | ".join(f"{n} tokens/s | MFU | peak GiB" for n in names) + " | K3 / plain tokens/s |",
         "|---|---|" + "---|---|---|" * len(names) + "---|",
     ]
-    for seq in result["seqs"]:
+    ratios = {}
+    for seq in sorted(result["seqs"]):
         cells, tps = [], []
         for n in names:
             r = result["models"][n].get(str(seq), {})
@@ -80,9 +81,25 @@ def table(result: dict) -> str:
             mem = f"{r['peak_mem_GiB']:.1f}" if r.get("peak_mem_GiB") is not None else "-"
             cells.append(f"{r['tokens_per_s']:,.0f}{mark} | {mfu} | {mem}")
             tps.append(r["tokens_per_s"])
-        ratio = f"{tps[0] / tps[1]:.2f}x" if len(tps) == 2 and all(tps) else "-"
+        if len(tps) == 2 and all(tps):
+            ratios[seq] = tps[0] / tps[1]
+        ratio = f"{ratios[seq]:.2f}x" if seq in ratios else "-"
         lines.append(f"| {seq:,} | {result['tokens'] // seq} | " + " | ".join(cells) + f" | {ratio} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", verdict(ratios, names)])
+
+
+def verdict(ratios: dict[int, float], names: list[str]) -> str:
+    """The sentence under the table: the shortest measured length where the first model's step overtakes the
+    second's, and the target at 32,768 tokens (at least 1.5x the plain model's tokens/s)."""
+    if not ratios:
+        return "No length has both models timed."
+    ahead = [seq for seq, r in sorted(ratios.items()) if r >= 1]
+    cross = (f"{names[0]} overtakes {names[1]} between {max(s for s in ratios if s < ahead[0]):,} and "
+             f"{ahead[0]:,} tokens" if ahead and any(s < ahead[0] for s in ratios)
+             else f"{names[0]} is ahead at every measured length" if ahead else f"{names[0]} is behind at every length")
+    target = (f"; at 32,768 tokens it trains at {ratios[32768]:.2f}x the plain model's tokens/s: target (at least "
+              f"1.5x) **{'met' if ratios[32768] >= 1.5 else 'not met'}**" if 32768 in ratios else "")
+    return cross + target + "."
 
 
 def parser() -> argparse.ArgumentParser:

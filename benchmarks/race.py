@@ -93,19 +93,24 @@ def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
           f"--trainer.limit_val_batches={a.final_batches}", f"--trainer.default_root_dir={folder}-val",
           log=folder.with_suffix(".val.log"))
     final = next(r for r in read_csv(Path(f"{folder}-val") / "metrics.csv") if r.get("val/loss"))
-    positions = None
+    positions, positions_error = None, None
     if a.positions:  # extrapolation of the same weights: bpb by position bucket at longer lengths
-        k3lit("positions", "--ckpt", str(folder / "checkpoints" / "last.ckpt"), "--lengths",
-              *map(str, a.positions), "--blocks", str(a.positions_blocks), "--json", str(folder / "positions.json"),
-              log=folder.with_suffix(".positions.log"))
-        positions = json.loads((folder / "positions.json").read_text())["results"]
+        try:  # a failed pass is reported with the run, not in place of it
+            k3lit("positions", "--ckpt", str(folder / "checkpoints" / "last.ckpt"), "--lengths",
+                  *map(str, a.positions), "--blocks", str(a.positions_blocks), "--json",
+                  str(folder / "positions.json"), log=folder.with_suffix(".positions.log"))
+            positions = json.loads((folder / "positions.json").read_text())["results"]
+        except RuntimeError as e:
+            positions_error = str(e)
+            print(positions_error, file=sys.stderr, flush=True)
     steps = max(int(r["step"]) for r in fit_rows) + 1
     tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
     summary = folder.with_suffix(".fit.log").read_text()
     first = first_step_seconds(summary)
     return {"recipe": recipe, "seed": seed, "steps": steps, "process_s": wall, "curve": curve(fit_rows),
             "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "first_step_s": first, "positions": positions}
+            "first_step_s": first, "positions": positions,
+            **({"positions_error": positions_error} if positions_error else {})}
 
 
 def same_bytes(recipe: str, batches: int) -> dict:

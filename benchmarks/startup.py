@@ -17,6 +17,7 @@ prepared first (``k3lit prepare``), outside the timings. Writes the raw rows (``
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -53,6 +54,7 @@ def startup(a: argparse.Namespace) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    result = {"steps": a.steps, "env": versions(), "command": command(), "rows": rows}
     for recipe in a.recipes:
         k3lit("prepare", "--config", recipe, *[x for x in a.fit_args if x.startswith("--data.")],
               log=out / f"{Path(recipe).stem}-prepare.log")
@@ -60,9 +62,11 @@ def startup(a: argparse.Namespace) -> dict:
             for mode in MODES:
                 caches = Path(tmp) / ("none" if mode == "cold, no precompile" else "shared")
                 rows.append(run(recipe, mode, caches, a, out))
+                if a.json:  # after every row: a call that runs out of time keeps the rows it finished
+                    Path(a.json).write_text(json.dumps(result, indent=1))
                 print(f"{recipe}  {mode:20s}  first step {rows[-1]['first_step_s']:6.1f} s  "
                       f"process {rows[-1]['process_s']:6.1f} s", flush=True)
-    return {"steps": a.steps, "env": versions(), "command": command(), "rows": rows}
+    return result
 
 
 def table(result: dict) -> str:
@@ -77,7 +81,10 @@ def table(result: dict) -> str:
              "| recipe | caches | first step (s) | process (s) |", "|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {r['first_step_s']:.1f} | {r['process_s']:.1f} |")
-    return "\n".join(lines)
+    done = {(r["recipe"], r["mode"]) for r in result["rows"]}
+    missing = [f"`{Path(recipe).stem}` {mode}" for recipe in dict.fromkeys(r["recipe"] for r in result["rows"])
+               for mode in MODES if (recipe, mode) not in done]
+    return "\n".join(lines + ([f"\nNot measured (the run ended first): {', '.join(missing)}."] if missing else []))
 
 
 def parser() -> argparse.ArgumentParser:

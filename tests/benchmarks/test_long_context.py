@@ -25,7 +25,18 @@ def test_every_length_holds_the_same_tokens_and_the_table_compares_the_models(tm
         assert all(r["checkpointing"] == "none" for r in rows.values())
     text = lc.table(result)
     k3_64, plain_64 = (result["models"][n]["64"]["tokens_per_s"] for n in ("`k3`", "`plain`"))
-    assert f"| 64 | 2 | {k3_64:,.0f} |" in text and text.rstrip().endswith(f"| {k3_64 / plain_64:.2f}x |")
+    row = next(line for line in text.splitlines() if line.startswith("| 64 | 2 |"))
+    assert row.startswith(f"| 64 | 2 | {k3_64:,.0f} |") and row.endswith(f"| {k3_64 / plain_64:.2f}x |")
+
+
+def test_the_verdict_names_the_crossover_and_the_target_at_32k():
+    names = ["`small`", "`small_plain`"]
+    text = lc.verdict({2048: 0.6, 8192: 0.88, 32768: 1.58, 65536: 2.07}, names)
+    assert text == ("`small` overtakes `small_plain` between 8,192 and 32,768 tokens; at 32,768 tokens it trains at "
+                    "1.58x the plain model's tokens/s: target (at least 1.5x) **met**.")
+    assert "**not met**" in lc.verdict({2048: 0.6, 32768: 1.49}, names)
+    assert lc.verdict({2048: 0.6, 8192: 0.9}, names) == "`small` is behind at every length."
+    assert lc.verdict({2048: 1.1}, names) == "`small` is ahead at every measured length."
 
 
 def test_a_length_that_does_not_fit_runs_with_block_checkpointing(monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
 from benchmarks.startup import MODES, parser, startup, table
@@ -14,8 +16,10 @@ def test_three_modes_of_one_recipe(tmp_path):
     trainer = dict(accelerator="cpu", devices=1, log_every_n_steps=1, enable_model_summary=False)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"model": model, "data": data, "trainer": trainer, "compile": False}))
-    a = parser().parse_args(["--recipes", str(recipe), "--steps", "2", "--out", str(tmp_path / "runs")])
+    a = parser().parse_args(["--recipes", str(recipe), "--steps", "2", "--out", str(tmp_path / "runs"),
+                             "--json", str(tmp_path / "r.json")])
     result = startup(a)
+    assert json.loads((tmp_path / "r.json").read_text()) == result  # written after every row
     assert [r["mode"] for r in result["rows"]] == list(MODES)
     for r in result["rows"]:
         assert 0 <= r["first_step_s"] < r["process_s"], r
@@ -23,3 +27,6 @@ def test_three_modes_of_one_recipe(tmp_path):
     assert "steps          2" in log
     text = table(result)
     assert text.count("| `r` |") == 3 and "| cold, no precompile |" in text and "| warm |" in text
+    assert "Not measured" not in text
+    cut = table({**result, "rows": result["rows"][:2]})  # a run that ended before its warm row
+    assert cut.count("| `r` |") == 2 and cut.endswith("Not measured (the run ended first): `r` warm.")
