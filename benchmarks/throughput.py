@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -146,6 +147,23 @@ def make_step(model: torch.nn.Module, device: str):
     return step
 
 
+def host_ms_per_step(step, batches: list[torch.Tensor], n: int, device: str) -> float:
+    """Median host milliseconds to issue one step with the device idle at its start (synchronised before each):
+    the host's own cost of a step (Python, dispatch, kernel launches), which it must stay under the device's step
+    time to keep the device busy. Equal to the device time when the step waits on the device inside (a host
+    sync)."""
+    times = []
+    for i in range(n):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(batches[i % len(batches)])
+        times.append(1e3 * (time.perf_counter() - t0))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: str) -> dict:
     """Time ``steps`` optimizer steps of model ``c`` (a ModelConfig, or ``"litgpt"``) after ``warmup`` steps on one
     fixed batch (whose loss must fall)."""
@@ -175,6 +193,7 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    host_ms = host_ms_per_step(step, batches, min(steps, 5), device)
     flops = flops_per_token * batch * seq
     peak = peak_flops(torch.device(device), torch.bfloat16) if device == "cuda" else None
     return {
@@ -182,6 +201,7 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
         "active_M": active,
         "gflop_per_token": flops_per_token / 1e9,
         "ms_per_step": 1e3 * elapsed / steps,
+        "host_ms_per_step": host_ms,
         "tokens_per_s": batch * seq * steps / elapsed,
         "tflops": flops * steps / elapsed / 1e12,
         "mfu": flops * steps / elapsed / peak if peak else None,
@@ -259,6 +279,13 @@ def table(result: dict) -> str:
         lines += ["", f"The recipe's model trained through `lightning.Trainer` (K3LitModule, `precision=bf16-mixed`, "
                       f"same batch, random tokens), as logged by `K3ThroughputMonitor` over the last "
                       f"{result['steps']} steps: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}."]
+    host = [f"{name.split(' (')[0]} {m}: {r['host_ms_per_step']:.1f} of {r['ms_per_step']:.1f} ms"
+            for name, by_mode in result["rows"].items() for m, r in by_mode.items()
+            if r.get("host_ms_per_step") is not None and r.get("correct")]
+    if host:
+        lines += ["", "Host time to issue one step with the device idle at its start (median of up to 5 steps, "
+                      "against the timed step): " + "; ".join(host) + ". Where it nears the step time, the device "
+                      "waits for the host whenever the host is slowed (data loading, logging, garbage collection)."]
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines)
