@@ -158,6 +158,16 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
     out = capsys.readouterr()
     assert out.out.startswith("import os\n" * 4) and "import os\n" * 5 not in out.out[:45]
     assert re.search(r"prompt 40 tokens, prefill [0-9.]+ s \([0-9,]+ tokens/s\); 5 new tokens in [0-9.]+ s", out.err)
+    assert "32-true, after an untimed pass over the same prompt" in out.err
+    # the untimed pass draws from its own generator: sampled text is the same with and without --stats
+    sampled = [*gen[:-2], "--temperature", "1.0", "--seed", "3", "--prompt_tokens", "40", "--max_new_tokens", "12"]
+    main(sampled)
+    plain = capsys.readouterr().out
+    main([*sampled, "--stats", "true"])
+    assert capsys.readouterr().out == plain
+    main([*sampled, "--precision", "bf16-mixed", "--stats", "true"])  # bf16 autocast runs on CPU too
+    out = capsys.readouterr()
+    assert out.out.startswith("import os\n" * 4) and "bf16-mixed, after an untimed pass" in out.err
     with pytest.raises(SystemExit) as e:
         main([*gen, "--prompt_tokens", "101"])
     assert e.value.code == 2 and "--prompt_tokens=101: the prompt has 100 tokens" in capsys.readouterr().err
