@@ -3,6 +3,7 @@
     python benchmarks/race.py --minutes 6 --seeds 1234 1235 --json benchmarks/race_h200.json    # on the GPU
     python benchmarks/race.py --seeds 1234 --recipes recipes/small.yaml --json F --append   # one run a call
     python benchmarks/race.py --from_json benchmarks/race_h200.json     # RESULTS.md section and PNG only
+    python benchmarks/race.py --recipes --variant "small_b32=recipes/small.yaml --data.batch_size=32" ...
 
 Each run is a fresh ``k3lit fit`` process of a recipe as shipped, with ``trainer.max_time`` the budget and no step
 limit, so its learning-rate schedule (warm-up, then the cosine) ends when the time does
@@ -15,6 +16,11 @@ blocks are the same bytes; gzip and xz are measured on those bytes too (:mod:`k3
 ``--positions L1 L2 ...`` each run's last weights also go through ``k3lit positions`` at those lengths (bits per
 byte by position bucket, up to and beyond the training length: extrapolation at equal training time).
 
+A ``--variant LABEL=RECIPE ARG...`` runs a recipe with more ``k3lit fit`` arguments (another batch, balancer or
+capacity), labelled; its final pass still reads the recipe's own batches, so every run is measured on the same
+bytes. For runs with MoE layers the expert load is recorded too: train MaxVio_batch over the second half of the
+run, held-out MaxVio_global of the final pass, the re-routed share.
+
 Writes the raw runs (``--json``), a PNG of held-out bits per byte against seconds (``--png``, default beside the
 JSON) and RESULTS.md's section "Race at equal wall-clock (<GPU>)".
 """
@@ -26,6 +32,7 @@ import csv
 import json
 import math
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -79,20 +86,48 @@ def first_step_seconds(log: str) -> float | None:
     return float(found[1]) if found else None
 
 
-def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
-    """One recipe and seed: fit for ``a.minutes``, then the final held-out pass; what both logged."""
-    folder = out / f"{Path(recipe).stem}-{seed}"
+def entrants(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """``(label, recipe, extra fit arguments)`` of every run of a seed: each of ``--recipes`` as shipped (labelled
+    by its file's stem), then each ``--variant LABEL=RECIPE ARG...``.
+
+    Raises:
+        SystemExit: a variant without ``LABEL=RECIPE``, or two entrants with one label.
+    """
+    out = [(Path(r).stem, r, []) for r in a.recipes]
+    for v in a.variant:
+        label, _, rest = v.partition("=")
+        words = shlex.split(rest)
+        if not label or not words:
+            raise SystemExit(f"--variant {v!r}: write LABEL=RECIPE [FIT ARGUMENT ...]")
+        out.append((label, words[0], words[1:]))
+    labels = [label for label, _, _ in out]
+    if len(set(labels)) < len(labels):
+        raise SystemExit(f"--recipes / --variant: each label once, got {labels}")
+    return out
+
+
+def label(r: dict) -> str:
+    """A run's label (runs stored before variants existed: their recipe's stem)."""
+    return r.get("label") or Path(r["recipe"]).stem
+
+
+def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, out: Path) -> dict:
+    """One entrant (:func:`entrants`) and seed: fit for ``a.minutes`` (the entrant's arguments last), then the final
+    held-out pass on the recipe's own data settings, so every run reads the same bytes; what both logged."""
+    name, recipe, extra = entrant
+    folder = out / f"{name}-{seed}"
     t0 = time.perf_counter()
     k3lit("fit", "--config", recipe, "--seed_everything", str(seed), f"--trainer.max_time={clock(60 * a.minutes)}",
           "--trainer.max_steps=-1", f"--trainer.val_check_interval={clock(a.val_every)}",
           f"--trainer.limit_val_batches={a.val_batches}", f"--trainer.default_root_dir={folder}", *a.fit_args,
-          log=folder.with_suffix(".fit.log"))
+          *extra, log=folder.with_suffix(".fit.log"))
     wall = time.perf_counter() - t0
     fit_rows = read_csv(folder / "metrics.csv")
     k3lit("validate", "--config", recipe, "--ckpt_path", str(folder / "checkpoints" / "last.ckpt"),
           f"--trainer.limit_val_batches={a.final_batches}", f"--trainer.default_root_dir={folder}-val",
           log=folder.with_suffix(".val.log"))
-    final = next(r for r in read_csv(Path(f"{folder}-val") / "metrics.csv") if r.get("val/loss"))
+    val_rows = read_csv(Path(f"{folder}-val") / "metrics.csv")
+    final = next(r for r in val_rows if r.get("val/loss"))
     positions, positions_error = None, None
     if a.positions:  # extrapolation of the same weights: bpb by position bucket at longer lengths
         try:  # a failed pass is reported with the run, not in place of it
@@ -107,10 +142,33 @@ def run(recipe: str, seed: int, a: argparse.Namespace, out: Path) -> dict:
     tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
     summary = folder.with_suffix(".fit.log").read_text()
     first = first_step_seconds(summary)
-    return {"recipe": recipe, "seed": seed, "steps": steps, "process_s": wall, "curve": curve(fit_rows),
+    return {"recipe": recipe, "label": name, "fit_args": extra, "seed": seed, "steps": steps, "process_s": wall,
+            "curve": curve(fit_rows), "expert_load": expert_load(fit_rows, final),
             "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
             "first_step_s": first, "positions": positions,
             **({"positions_error": positions_error} if positions_error else {})}
+
+
+def expert_load(fit_rows: list[dict[str, str]], final: dict[str, str]) -> dict | None:
+    """Per MoE layer: train MaxVio_batch (mean and 95th percentile over the logged steps of the run's second half),
+    held-out MaxVio_global of the final pass, and the mean re-routed share of the logged steps (0 without a
+    capacity limit); None for a model without MoE layers."""
+    layers = sorted(int(k.rsplit("layer", 1)[1]) for k in final if k.startswith("val/max_vio/layer"))
+    if not layers:
+        return None
+    logged = [r for r in fit_rows if r.get("train/max_vio/layer0")]
+    late = logged[len(logged) // 2:]
+
+    def series(key: str) -> list[list[float]]:
+        return [[float(r[f"{key}{i}"]) for r in late if r.get(f"{key}{i}")] for i in layers]
+
+    def p95(v: list[float]) -> float:
+        return statistics.quantiles(v, n=20)[-1] if len(v) > 1 else v[0]
+
+    vio = series("train/max_vio/layer")
+    return {"train_max_vio_mean": [statistics.mean(v) for v in vio], "train_max_vio_p95": [p95(v) for v in vio],
+            "val_max_vio": [float(final[f"val/max_vio/layer{i}"]) for i in layers],
+            "rerouted": [statistics.mean(v) if v else 0.0 for v in series("train/reroute_rate/layer")]}
 
 
 def same_bytes(recipe: str, batches: int) -> dict:
@@ -137,12 +195,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    recipes = sorted({r["recipe"] for r in result["runs"]})
+    labels = sorted({label(r) for r in result["runs"]})
     for r in result["runs"]:
         seconds, _, values = zip(*r["curve"]) if r["curve"] else ((), (), ())
-        ax.plot(seconds, values, marker="o", ms=3, color=f"C{recipes.index(r['recipe'])}",
-                linestyle="-" if r["seed"] == result["seeds"][0] else "--",
-                label=f"{Path(r['recipe']).stem}, seed {r['seed']}")
+        ax.plot(seconds, values, marker="o", ms=3, color=f"C{labels.index(label(r))}",
+                linestyle="-" if r["seed"] == result["seeds"][0] else "--", label=f"{label(r)}, seed {r['seed']}")
     ax.set_xlabel("seconds of training (compilation and validation included)")
     ax.set_ylabel(f"held-out bits per byte (first {result['val_batches']} validation batches)")
     ax.set_title(f"{result['minutes']:g} minutes each, {result['env']['device']}")
@@ -168,29 +225,56 @@ def table(result: dict, png: str) -> str:
         f"`{result.get('json', '')}`; curve: `{png}`. With `--append`, the command of the latest invocation; each "
         "earlier one ran the same race for other recipes or seeds.",
         "",
-        "| recipe | seed | steps | first step (s) | median tokens/s | held-out bpb |",
+        "| run | seed | steps | first step (s) | median tokens/s | held-out bpb |",
         "|---|---|---|---|---|---|",
     ]
-    by_recipe: dict[str, list[float]] = {}
+    by_label: dict[str, list[float]] = {}
     for r in result["runs"]:
         value = bpb(r, ref)
-        by_recipe.setdefault(r["recipe"], []).append(value)
+        by_label.setdefault(label(r), []).append(value)
         tps = f"{r['median_tokens_per_s']:,.0f}" if r.get("median_tokens_per_s") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
-        lines.append(f"| `{Path(r['recipe']).stem}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {value:.4f} |")
-    if len(by_recipe) == 2:
-        (ka, va), (kb, vb) = by_recipe.items()
-        gap = statistics.mean(vb) - statistics.mean(va)
-        lead = Path(ka).stem if gap > 0 else Path(kb).stem
-        means = (f"Mean held-out bpb: `{Path(ka).stem}` {statistics.mean(va):.4f}, `{Path(kb).stem}` "
-                 f"{statistics.mean(vb):.4f}: `{lead}` ahead by {abs(gap):.4f}")
-        if min(len(va), len(vb)) < 2:
-            lines += ["", means + "; one seed of a recipe so far, so the seed-to-seed spread is not measured."]
-        else:
-            spread = max(max(v) - min(v) for v in (va, vb))
-            verdict = "more" if abs(gap) > spread else "less"
-            lines += ["", means + f", {verdict} than the largest seed-to-seed spread ({spread:.4f})."]
-    return "\n".join(lines + positions_table(result))
+        lines.append(f"| `{label(r)}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {value:.4f} |")
+    variants = [f"`{label(r)}` = `{Path(r['recipe']).stem}` with `{' '.join(r['fit_args'])}`"
+                for r in {label(r): r for r in result["runs"] if r.get("fit_args")}.values()]
+    if variants:
+        lines += ["", "Variants (their `k3lit fit` arguments; the final pass reads the recipe's own batches): "
+                      + "; ".join(variants) + "."]
+    if len(by_label) >= 2:
+        lines += ["", verdict(by_label)]
+    return "\n".join(lines + expert_load_table(result) + positions_table(result))
+
+
+def verdict(by_label: dict[str, list[float]]) -> str:
+    """Mean held-out bpb of each label, the leader's margin over the runner-up, and that margin against the largest
+    seed-to-seed spread (labels with two or more seeds)."""
+    means = sorted((statistics.mean(v), k) for k, v in by_label.items())
+    (best, lead), (second, runner) = means[0], means[1]
+    text = ("Mean held-out bpb: " + ", ".join(f"`{k}` {m:.4f}" for m, k in means)
+            + f": `{lead}` ahead of `{runner}` by {second - best:.4f}")
+    spreads = [max(v) - min(v) for v in by_label.values() if len(v) >= 2]
+    if len(by_label[lead]) < 2 or len(by_label[runner]) < 2:
+        return text + "; one seed of a run so far, so the seed-to-seed spread is not measured."
+    spread = max(spreads)
+    more = "more" if second - best > spread else "less"
+    return text + f", {more} than the largest seed-to-seed spread ({spread:.4f})."
+
+
+def expert_load_table(result: dict) -> list[str]:
+    """Lines under the race table for runs with MoE layers: train MaxVio_batch (mean and 95th percentile over the
+    logged steps of the second half), held-out MaxVio_global of the final pass and the re-routed share, each as the
+    worst MoE layer's (per layer in the raw JSON)."""
+    runs = [r for r in result["runs"] if r.get("expert_load")]
+    if not runs:
+        return []
+    lines = ["", "Expert load of the same runs, the worst MoE layer's value (all layers in the raw JSON):", "",
+             "| run | seed | train MaxVio_batch mean | p95 | held-out MaxVio_global | re-routed |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        e = r["expert_load"]
+        lines.append(f"| `{label(r)}` | {r['seed']} | {max(e['train_max_vio_mean']):.3f} | "
+                     f"{max(e['train_max_vio_p95']):.3f} | {max(e['val_max_vio']):.3f} | {max(e['rerouted']):.4f} |")
+    return lines
 
 
 def positions_table(result: dict) -> list[str]:
@@ -202,13 +286,13 @@ def positions_table(result: dict) -> list[str]:
     lines = ["", "The same final weights through `k3lit positions`: held-out bits per byte by position on the "
                  "split's first blocks of each length (documents packed as in training, KDA state and attention "
                  "running across their boundaries):", "",
-             "| recipe | seed | length | blocks | all positions | first bucket | last bucket | last / first |",
+             "| run | seed | length | blocks | all positions | first bucket | last bucket | last / first |",
              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         for p in r["positions"]:
             filled = [b for b in p["buckets"] if b["bpb"] is not None]
             first, last = filled[0], filled[-1]
-            lines.append(f"| `{Path(r['recipe']).stem}` | {r['seed']} | {p['length']:,} | {p['blocks']} | "
+            lines.append(f"| `{label(r)}` | {r['seed']} | {p['length']:,} | {p['blocks']} | "
                          f"{p['bpb']:.4f} | {first['bpb']:.4f} ({first['start']:,}-{first['end']:,}) | "
                          f"{last['bpb']:.4f} ({last['start']:,}-{last['end']:,}) | {last['bpb'] / first['bpb']:.3f} |")
     return lines
@@ -235,20 +319,22 @@ def race(a: argparse.Namespace) -> dict:
     Raises:
         SystemExit: the recipes' data sections differ (their held-out bytes would too).
     """
-    datas = {json.dumps(yaml.safe_load((ROOT / r).read_text())["data"], sort_keys=True) for r in a.recipes}
+    runs = entrants(a)
+    datas = {json.dumps(yaml.safe_load((ROOT / r).read_text())["data"], sort_keys=True) for _, r, _ in runs}
     if len(datas) > 1:
         raise SystemExit("--recipes: their data sections differ, so their held-out bytes would too")
     out = ROOT / a.out
     out.mkdir(parents=True, exist_ok=True)
-    k3lit("prepare", "--config", a.recipes[0], log=out / "prepare.log")
+    first = runs[0][1]
+    k3lit("prepare", "--config", first, log=out / "prepare.log")
     result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "env": versions(),
               "command": command(), "json": a.json or "", "runs": [],
-              "same_bytes": same_bytes(a.recipes[0], a.final_batches)}
+              "same_bytes": same_bytes(first, a.final_batches)}
     if a.append and a.json and Path(a.json).is_file():  # runs of earlier invocations (one GPU call each)
         result = continued(json.loads(Path(a.json).read_text()), result)
     for seed in a.seeds:
-        for recipe in a.recipes:
-            result["runs"].append(run(recipe, seed, a, out))
+        for entrant in runs:
+            result["runs"].append(run(entrant, seed, a, out))
             print(json.dumps(result["runs"][-1]), flush=True)
             if a.json:
                 Path(a.json).write_text(json.dumps(result, indent=1))
@@ -257,7 +343,10 @@ def race(a: argparse.Namespace) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipes", nargs="+", default=["recipes/small.yaml", "recipes/small_plain.yaml"])
+    p.add_argument("--recipes", nargs="*", default=["recipes/small.yaml", "recipes/small_plain.yaml"])
+    p.add_argument("--variant", action="append", default=[],
+                   help="LABEL=RECIPE ARG...: also run RECIPE with these `k3lit fit` arguments (quoted as one "
+                        "string; e.g. 'small_b32=recipes/small.yaml --data.batch_size=32'); repeatable")
     p.add_argument("--seeds", nargs="+", type=int, default=[1234, 1235])
     p.add_argument("--minutes", type=float, default=6.0, help="training time of each run")
     p.add_argument("--val_every", type=float, default=45.0, help="seconds between validations")

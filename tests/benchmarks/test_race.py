@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import yaml
@@ -30,11 +31,24 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     a = parser().parse_args(["--recipes", k3, plain, "--seeds", "7", "--minutes", "0.1", "--val_every", "2",
                              "--val_batches", "2", "--final_batches", "3", "--out", str(tmp_path / "runs"),
                              "--json", str(tmp_path / "race.json"), "--positions", "32", "64", "--positions_blocks",
-                             "2"])
+                             "2", "--variant", f"k3_b4={k3} --data.batch_size=4 --model.capacity_factor=1.0"])
     result = race(a)
     ref = result["same_bytes"]
     assert ref["blocks"] == 6 and ref["bytes"] == 6 * 33  # 3 batches of 2 blocks of 33 byte tokens
-    assert [r["recipe"] for r in result["runs"]] == [k3, plain]
+    assert [(r["recipe"], r["label"]) for r in result["runs"]] == [(k3, "k3"), (plain, "plain"), (k3, "k3_b4")]
+    k3_run, plain_run, variant = result["runs"]
+    assert variant["fit_args"] == ["--data.batch_size=4", "--model.capacity_factor=1.0"]
+    # the variant trained on batches of 4 sequences, its final pass read the recipe's batches of 2 (the same bytes)
+    for r, batch in ((k3_run, 2), (variant, 4)):
+        summary = (tmp_path / "runs" / f"{r['label']}-7.fit.log").read_text()
+        tokens = int(re.search(r"tokens\s+([0-9,]+) \(this run\)", summary)[1].replace(",", ""))
+        assert tokens == r["steps"] * batch * 32
+    assert plain_run["expert_load"] is None
+    for r in (k3_run, variant):  # one MoE layer (KA, the first dense): train and held-out MaxVio, re-routed share
+        e = r["expert_load"]
+        assert [len(v) for v in e.values()] == [1, 1, 1, 1] and e["val_max_vio"][0] > 0
+        assert e["train_max_vio_p95"][0] >= e["train_max_vio_mean"][0]
+    assert k3_run["expert_load"]["rerouted"] == [0.0] and variant["expert_load"]["rerouted"][0] > 0
     for r in result["runs"]:
         seconds = [s for s, _, _ in r["curve"]]
         # the run's clock: a 6 s budget, and a validation starts before it ends
@@ -42,14 +56,16 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         assert r["steps"] > 2 and math.isfinite(r["final_val_loss"])
         assert r["first_step_s"] is not None and r["first_step_s"] >= 0  # read from the summary (0.0 s can happen)
     text = table(result, "race.png")
-    assert text.count("| 7 | ") == 6 and "one seed of a recipe so far, so the seed-to-seed spread is not" in text
+    assert text.count("| 7 | ") == 3 + 2 + 6  # runs, expert-load rows (the MoE runs), positions rows
+    assert "one seed of a run so far, so the seed-to-seed spread is not" in text
+    assert "`k3_b4` = `k3` with `--data.batch_size=4 --model.capacity_factor=1.0`" in text
     second = {**result, "runs": result["runs"] + [{**r, "seed": 8} for r in result["runs"]]}
     assert "than the largest seed-to-seed spread (0.0000)" in table(second, "race.png")
     assert f"{ref['bytes']:,} bytes" in text
     for r in result["runs"]:  # the final weights at the training length and twice it, position by position
         assert [(p["length"], p["blocks"]) for p in r["positions"]] == [(32, 2), (64, 2)]
         assert [b["start"] for b in r["positions"][1]["buckets"]] == [0, 32]
-    assert text.count("| 7 | 64 | 2 |") == 2  # a positions row per run and length
+    assert text.count("| 7 | 64 | 2 |") == 3  # a positions row per run and length
     plot(result, tmp_path / "race.png")
     assert (tmp_path / "race.png").stat().st_size > 10_000
 
@@ -62,6 +78,27 @@ def test_appended_runs_join_the_same_race_only():
     assert merged["runs"] == [{"seed": 1}] and merged["seeds"] == [1, 2] and merged["env"] == {}
     with pytest.raises(SystemExit, match="minutes 6.0 against 8.0"):
         continued(earlier, {**now, "minutes": 8.0})
+
+
+def test_verdict_ranks_every_label_against_the_seed_spread():
+    from benchmarks.race import verdict
+
+    text = verdict({"a": [0.70, 0.72], "b": [0.68, 0.69], "c": [0.75]})
+    assert text == ("Mean held-out bpb: `b` 0.6850, `a` 0.7100, `c` 0.7500: `b` ahead of `a` by 0.0250, more than the "
+                    "largest seed-to-seed spread (0.0200).")
+    assert "less than the largest seed-to-seed spread (0.0300)" in verdict({"a": [0.70, 0.73], "b": [0.69, 0.70]})
+    assert verdict({"a": [0.7], "b": [0.6, 0.61]}).endswith("the seed-to-seed spread is not measured.")
+
+
+def test_variants_are_labelled_and_checked():
+    from benchmarks.race import entrants
+
+    a = parser().parse_args(["--recipes", "r/x.yaml", "--variant", "x_lr=r/x.yaml --optim.lr=1e-3 --data.batch_size=8"])
+    assert entrants(a) == [("x", "r/x.yaml", []), ("x_lr", "r/x.yaml", ["--optim.lr=1e-3", "--data.batch_size=8"])]
+    with pytest.raises(SystemExit, match="LABEL=RECIPE"):
+        entrants(parser().parse_args(["--variant", "no_recipe="]))
+    with pytest.raises(SystemExit, match="each label once"):
+        entrants(parser().parse_args(["--recipes", "r/x.yaml", "--variant", "x=r/x.yaml --optim.lr=1"]))
 
 
 def test_first_step_seconds_reads_the_summary_row_not_the_compile_message():
