@@ -8,9 +8,10 @@
 Rows (``--rows``): the recipe; four one-change ablations of it (dense SwiGLU of the same active size instead of
 the MoE, softmax attention in every layer, the plain residual, no balancer); the plain transformer (softmax
 attention everywhere, dense SwiGLU, plain residual, ``mlp_hidden`` chosen so that its active matmul weights match
-the recipe's); litgpt's ``GPT`` (SmolLM2-135M config) as the peer; and ``--extra_recipe`` models at their own
-batch. Each row runs once per ``--compile`` setting. Each step is what ``trainer.precision=bf16-mixed`` runs:
-float32 weights, bf16 autocast, float32 cross-entropy, fused AdamW, clipping, plus the MoE balancer update.
+the recipe's); litgpt's ``GPT`` (SmolLM2-135M config) as the peer; each ``--variant`` (the recipe's model with
+other fields: a balancer, a capacity); and ``--extra_recipe`` models at their own batch. Each row runs once per
+``--compile`` setting. Each step is what ``trainer.precision=bf16-mixed`` runs: float32 weights, bf16 autocast,
+float32 cross-entropy, fused AdamW, clipping, plus the MoE balancer update.
 Tokens are synthetic (uniform random ids), so no data pipeline is timed.
 
 Correctness first: before timing, each model's loss must be finite and fall over the warm-up steps on a fixed
@@ -88,6 +89,29 @@ def rows(c: ModelConfig, stem: str, names: list[str], plain: ModelConfig | None 
 
 
 COMPILE = ("none", "sublayers", "model", "cudagraphs")
+
+
+def variant(c: ModelConfig, spec: str) -> tuple[str, ModelConfig]:
+    """``LABEL:field=value,field=value`` -> (row name, ``c`` with those model fields; values read as YAML, so
+    ``capacity_factor=1.1``, ``capacity_mode=causal``, ``capacity_factor=null``).
+
+    Raises:
+        SystemExit: no ``LABEL:``, a pair without ``=``, or a field ModelConfig lacks or rejects.
+    """
+    label, _, pairs = spec.partition(":")
+    fields = {}
+    for pair in filter(None, pairs.split(",")):
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"--variant {spec!r}: {pair!r} is not field=value")
+        fields[key.strip()] = yaml.safe_load(value)
+    if not label or not fields:
+        raise SystemExit(f"--variant {spec!r}: write LABEL:field=value[,field=value]")
+    try:
+        return f"same, {label} (" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")", dataclasses.replace(
+            c, **fields)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--variant {spec!r}: {e}") from e
 
 
 def build_model(c: ModelConfig, device: str, compile_: str | bool) -> K3LM:
@@ -304,6 +328,9 @@ def main() -> None:
     p.add_argument("--rows", default="recipe,plain", help=f"comma-separated, each of {ROWS}")
     p.add_argument("--plain_recipe", help="the plain row's model from this recipe (default: plain_baseline)")
     p.add_argument("--extra_recipe", nargs="*", default=[], help="more recipes, each timed at its own batch")
+    p.add_argument("--variant", action="append", default=[],
+                   help="LABEL:field=value,...: also time the recipe's model with these ModelConfig fields (e.g. "
+                        "'causal 1.1:capacity_factor=1.1,capacity_mode=causal,quantile_rate=0.1'); repeatable")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from_json", help="only write RESULTS.md's Throughput section from this file")
@@ -324,6 +351,7 @@ def main() -> None:
               "rows": {}, "note": a.note}
     plain = recipe_config(Path(a.plain_recipe), cfg.vocab_size)[0] if a.plain_recipe else None
     jobs = [(name, c, batch, seq) for name, c in rows(cfg, Path(a.recipe).stem, a.rows.split(","), plain).items()]
+    jobs += [(*variant(cfg, spec), batch, seq) for spec in a.variant]
     for extra in a.extra_recipe:
         c, d = recipe_config(Path(extra), None)
         jobs.append((f"k3lit `{Path(extra).stem}` ({c.layer_pattern}, MoE {c.n_experts}x top-{c.top_k}, {c.residual}; "

@@ -1,0 +1,29 @@
+"""benchmarks/throughput.py's ``--variant`` rows: the recipe's model with other ModelConfig fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.throughput import variant
+from k3lit.model import ModelConfig
+
+BASE = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16, n_experts=4, top_k=2, expert_dim=16)
+
+
+def test_fields_are_read_as_yaml_values():
+    name, c = variant(BASE, "causal 1.1:capacity_factor=1.1,capacity_mode=causal,quantile_rate=0.1")
+    assert name == "same, causal 1.1 (capacity_factor=1.1, capacity_mode=causal, quantile_rate=0.1)"
+    assert (c.capacity_factor, c.capacity_mode, c.quantile_rate) == (1.1, "causal", 0.1)
+    assert c.dim == BASE.dim and BASE.capacity_factor is None  # the rest as the recipe's, the recipe untouched
+    assert variant(BASE, "off:capacity_factor=null")[1].capacity_factor is None
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no label", "LABEL:field=value"),
+    ("x:capacity_factor", "is not field=value"),
+    ("x:no_such_field=1", "no_such_field"),
+    ("x:top_k=9", "top_k"),
+])
+def test_bad_variants_say_what_to_change(spec, message):
+    with pytest.raises(SystemExit, match=message):
+        variant(BASE, spec)
