@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -111,9 +112,11 @@ def label(r: dict) -> str:
     return r.get("label") or Path(r["recipe"]).stem
 
 
-def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, out: Path) -> dict:
+def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, out: Path,
+        save: Callable[[dict], None] = lambda record: None) -> dict:
     """One entrant (:func:`entrants`) and seed: fit for ``a.minutes`` (the entrant's arguments last), then the final
-    held-out pass on the recipe's own data settings, so every run reads the same bytes; what both logged."""
+    held-out pass on the recipe's own data settings, so every run reads the same bytes; what both logged. ``save``
+    gets the fit's record (``final_val_loss`` None) before the final pass starts, so a call cut short keeps it."""
     name, recipe, extra = entrant
     folder = out / f"{name}-{seed}"
     t0 = time.perf_counter()
@@ -123,6 +126,13 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
           *extra, log=folder.with_suffix(".fit.log"))
     wall = time.perf_counter() - t0
     fit_rows = read_csv(folder / "metrics.csv")
+    steps = max(int(r["step"]) for r in fit_rows) + 1
+    tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
+    record = {"recipe": recipe, "label": name, "fit_args": extra, "seed": seed, "steps": steps, "process_s": wall,
+              "curve": curve(fit_rows), "expert_load": None, "final_val_loss": None,
+              "median_tokens_per_s": statistics.median(tps) if tps else None,
+              "first_step_s": first_step_seconds(folder.with_suffix(".fit.log").read_text()), "positions": None}
+    save(record)
     k3lit("validate", "--config", recipe, "--ckpt_path", str(folder / "checkpoints" / "last.ckpt"),
           f"--trainer.limit_val_batches={a.final_batches}", f"--trainer.default_root_dir={folder}-val",
           log=folder.with_suffix(".val.log"))
@@ -138,15 +148,8 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
         except RuntimeError as e:
             positions_error = str(e)
             print(positions_error, file=sys.stderr, flush=True)
-    steps = max(int(r["step"]) for r in fit_rows) + 1
-    tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
-    summary = folder.with_suffix(".fit.log").read_text()
-    first = first_step_seconds(summary)
-    return {"recipe": recipe, "label": name, "fit_args": extra, "seed": seed, "steps": steps, "process_s": wall,
-            "curve": curve(fit_rows), "expert_load": expert_load(fit_rows, final),
-            "final_val_loss": float(final["val/loss"]), "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "first_step_s": first, "positions": positions,
-            **({"positions_error": positions_error} if positions_error else {})}
+    return {**record, "expert_load": expert_load(fit_rows, final), "final_val_loss": float(final["val/loss"]),
+            "positions": positions, **({"positions_error": positions_error} if positions_error else {})}
 
 
 def expert_load(fit_rows: list[dict[str, str]], final: dict[str, str]) -> dict | None:
@@ -182,8 +185,11 @@ def same_bytes(recipe: str, batches: int) -> dict:
     return {"blocks": blocks, "seq_len": dm.seq_len, **reference_bpb(dm.prepared, dm.seq_len, blocks)}
 
 
-def bpb(r: dict, ref: dict) -> float:
-    """The final pass's bits per byte of the very held-out text (nats per token x tokens / ln 2 / bytes)."""
+def bpb(r: dict, ref: dict) -> float | None:
+    """The final pass's bits per byte of the very held-out text (nats per token x tokens / ln 2 / bytes); None for a
+    run whose final pass did not finish."""
+    if r.get("final_val_loss") is None:
+        return None
     return r["final_val_loss"] * ref["blocks"] * ref["seq_len"] / math.log(2) / ref["bytes"]
 
 
@@ -229,12 +235,20 @@ def table(result: dict, png: str) -> str:
         "|---|---|---|---|---|---|",
     ]
     by_label: dict[str, list[float]] = {}
+    unfinished = []
     for r in result["runs"]:
         value = bpb(r, ref)
-        by_label.setdefault(label(r), []).append(value)
+        if value is None:
+            unfinished.append(f"`{label(r)}` seed {r['seed']}")
+        else:
+            by_label.setdefault(label(r), []).append(value)
         tps = f"{r['median_tokens_per_s']:,.0f}" if r.get("median_tokens_per_s") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
-        lines.append(f"| `{label(r)}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {value:.4f} |")
+        shown = "-" if value is None else f"{value:.4f}"
+        lines.append(f"| `{label(r)}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {shown} |")
+    if unfinished:
+        lines += ["", "The final held-out pass of " + ", ".join(unfinished) + " did not finish (the call ended "
+                      "first): the row keeps what the fit logged, its curve is in the plot, and it counts in no mean."]
     variants = [f"`{label(r)}` = `{Path(r['recipe']).stem}` with `{' '.join(r['fit_args'])}`"
                 for r in {label(r): r for r in result["runs"] if r.get("fit_args")}.values()]
     if variants:
@@ -332,12 +346,16 @@ def race(a: argparse.Namespace) -> dict:
               "same_bytes": same_bytes(first, a.final_batches)}
     if a.append and a.json and Path(a.json).is_file():  # runs of earlier invocations (one GPU call each)
         result = continued(json.loads(Path(a.json).read_text()), result)
+    def save(record: dict) -> None:  # the run in progress is the last entry
+        result["runs"][-1] = record
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1))
+
     for seed in a.seeds:
         for entrant in runs:
-            result["runs"].append(run(entrant, seed, a, out))
+            result["runs"].append(None)
+            save(run(entrant, seed, a, out, save))
             print(json.dumps(result["runs"][-1]), flush=True)
-            if a.json:
-                Path(a.json).write_text(json.dumps(result, indent=1))
     return result
 
 

@@ -108,3 +108,32 @@ def test_first_step_seconds_reads_the_summary_row_not_the_compile_message():
            "  first step     77.2 s after training started (compilation included)\n")
     assert first_step_seconds(log) == 77.2
     assert first_step_seconds("the first steps compile it\n") is None
+
+
+def test_a_run_cut_before_its_final_pass_keeps_what_the_fit_logged(tmp_path, monkeypatch):
+    import benchmarks.race as race_mod
+
+    def fake_k3lit(*args, log, env=None):
+        if args[0] == "validate":
+            raise RuntimeError("k3lit validate failed (124)")
+        folder = tmp_path / "x-3"
+        folder.mkdir()
+        (folder / "metrics.csv").write_text("step,train/device/items_per_sec,val/bpb,val/elapsed_s\n"
+                                           "19,1000.0,,\n39,3000.0,,\n40,,2.5,9.0\n")
+        log.write_text("  first step     4.5 s after training started (compilation included)\n")
+
+    monkeypatch.setattr(race_mod, "k3lit", fake_k3lit)
+    saved = []
+    a = parser().parse_args(["--recipes", "r/x.yaml"])
+    with pytest.raises(RuntimeError, match="validate failed"):
+        race_mod.run(("x", "r/x.yaml", []), 3, a, tmp_path, saved.append)
+    assert saved == [{"recipe": "r/x.yaml", "label": "x", "fit_args": [], "seed": 3, "steps": 41,
+                      "process_s": saved[0]["process_s"], "curve": [(9.0, 40, 2.5)], "expert_load": None,
+                      "final_val_loss": None, "median_tokens_per_s": 2000.0, "first_step_s": 4.5, "positions": None}]
+    ref = {"blocks": 2, "seq_len": 8, "bytes": 40, "gzip -9": 5.0, "xz -9e": 5.5}
+    done = {**saved[0], "label": "y", "final_val_loss": 1.0}
+    result = {"env": {"date": "d", "device": "X", "torch": "t", "triton": "tr"}, "command": "c", "minutes": 6.0,
+              "same_bytes": ref, "seeds": [3], "val_batches": 2, "runs": [saved[0], done]}
+    text = table(result, "r.png")
+    assert "| `x` | 3 | 41 | 4.5 | 2,000 | - |" in text and "final held-out pass of `x` seed 3 did not finish" in text
+    assert "Mean held-out bpb" not in text  # one finished label: nothing to compare
