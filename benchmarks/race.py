@@ -92,7 +92,7 @@ def entrants(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     by its file's stem), then each ``--variant LABEL=RECIPE ARG...``.
 
     Raises:
-        SystemExit: a variant without ``LABEL=RECIPE``, or two entrants with one label.
+        SystemExit: no entrant, a variant without ``LABEL=RECIPE``, or two entrants with one label.
     """
     out = [(Path(r).stem, r, []) for r in a.recipes]
     for v in a.variant:
@@ -102,6 +102,8 @@ def entrants(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
             raise SystemExit(f"--variant {v!r}: write LABEL=RECIPE [FIT ARGUMENT ...]")
         out.append((label, words[0], words[1:]))
     labels = [label for label, _, _ in out]
+    if not out:
+        raise SystemExit("--recipes / --variant: nothing to run")
     if len(set(labels)) < len(labels):
         raise SystemExit(f"--recipes / --variant: each label once, got {labels}")
     return out

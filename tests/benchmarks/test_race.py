@@ -97,6 +97,10 @@ def test_variants_are_labelled_and_checked():
     assert entrants(a) == [("x", "r/x.yaml", []), ("x_lr", "r/x.yaml", ["--optim.lr=1e-3", "--data.batch_size=8"])]
     with pytest.raises(SystemExit, match="LABEL=RECIPE"):
         entrants(parser().parse_args(["--variant", "no_recipe="]))
+    with pytest.raises(SystemExit, match="nothing to run"):
+        entrants(parser().parse_args(["--recipes"]))
+    assert entrants(parser().parse_args(["--recipes", "--variant", "v=r/x.yaml --optim.lr=1"])) == [
+        ("v", "r/x.yaml", ["--optim.lr=1"])]
     with pytest.raises(SystemExit, match="each label once"):
         entrants(parser().parse_args(["--recipes", "r/x.yaml", "--variant", "x=r/x.yaml --optim.lr=1"]))
 
