@@ -58,7 +58,7 @@ def table(result: dict) -> str:
     names = list(result["models"])
     lines = [
         f"Written by `benchmarks/long_context.py`. {env['date']} · {env['device']} · torch {env['torch']}, triton "
-        f"{env['triton']} · `{result['command']}`. {result['tokens']:,} tokens a step at every length (batch = "
+        f"{env['triton']} · {result['command']}. {result['tokens']:,} tokens a step at every length (batch = "
         f"tokens / T), every row in one process, each sublayer compiled ({result['compile']}), {result['steps']} "
         f"timed steps after {result['warmup']} warm-up steps; MFU = model FLOPs (`k3lit/train/flops.py`, attention "
         "included) / dense bf16 peak; `block`: timed with block activation checkpointing (the step did not fit "
