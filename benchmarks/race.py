@@ -157,11 +157,11 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
 def expert_load(fit_rows: list[dict[str, str]], final: dict[str, str]) -> dict | None:
     """Per MoE layer: train MaxVio_batch (mean and 95th percentile over the logged steps of the run's second half),
     held-out MaxVio_global of the final pass, and the mean re-routed share of the logged steps (0 without a
-    capacity limit); None for a model without MoE layers."""
+    capacity limit); None for a model without MoE layers, or a fit that logged no training step."""
     layers = sorted(int(k.rsplit("layer", 1)[1]) for k in final if k.startswith("val/max_vio/layer"))
-    if not layers:
-        return None
     logged = [r for r in fit_rows if r.get("train/max_vio/layer0")]
+    if not layers or not logged:
+        return None
     late = logged[len(logged) // 2:]
 
     def series(key: str) -> list[list[float]]:
