@@ -80,6 +80,30 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if hasattr(w, "to_local") else w
 
 
+class _Float32Linear(torch.autograd.Function):
+    """``h W^T`` with autocast off in the forward *and* the backward, for inputs already in float32 (or float64).
+
+    A plain ``F.linear`` inside ``torch.autocast(enabled=False)`` keeps its forward in float32, but under
+    ``torch.compile`` AOT autograd traces its backward under the autocast state around the compiled region: the two
+    gradient products of the router ran in bf16 there, in float32 eagerly. Here the backward disables autocast
+    itself, so compiled and eager runs compute the same float32 products."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(h, w)
+        with torch.autocast(h.device.type, enabled=False):
+            return F.linear(h, w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # noqa: D102
+        h, w = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            grad = grad.to(h.dtype)
+            dh = grad @ w if ctx.needs_input_grad[0] else None
+            dw = grad.T @ h if ctx.needs_input_grad[1] else None
+        return dh, dw
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward, gradient times ``scale`` backward."""
 
@@ -301,10 +325,11 @@ class MoE(nn.Module):
         return out.to(x.dtype).view(B, T, D)
 
     def router_scores(self, h: torch.Tensor) -> torch.Tensor:
-        """``s = sigmoid(h W_r^T)``: ``[m, D] -> [m, n]`` in float32 (float64 if ``h`` is), autocast off."""
+        """``s = sigmoid(h W_r^T)``: ``[m, D] -> [m, n]`` in float32 (float64 if ``h`` is), autocast off in the forward
+        and the backward (:class:`_Float32Linear`)."""
         acc = torch.promote_types(h.dtype, torch.float32)
         with torch.autocast(h.device.type, enabled=False):
-            return torch.sigmoid(F.linear(h.to(acc), self.router.weight.to(acc)))
+            return torch.sigmoid(_Float32Linear.apply(h.to(acc), self.router.weight.to(acc)))
 
     def run_experts(self, h: torch.Tensor, expert_idx: torch.Tensor) -> torch.Tensor:
         """Apply the selected SwiGLU experts: ``h [m, D]``, ``expert_idx [m, k]`` (-1 = dropped) -> ``[m, k, D]``.

@@ -297,12 +297,9 @@ def test_capacity_mode_causality(seed, mode):
 def test_capacity_compiles_as_one_graph_and_matches_eager(seed, mode):
     """Capacity routing and the experts under ``torch.compile(fullgraph=True)`` (a graph break raises: a host sync
     or a data-dependent shape would), forward and backward traced by AOT autograd: the same outputs, gradients and
-    re-routed counts as eager. bf16 autocast, as in training (the grouped products' compiled path): the outputs
-    equal eager's, and each gradient differs from eager's by no more than bf16 rounding (2^-8 relative) or eager's
-    own bf16 error against the same module run in float32, whichever is larger (the traced backward sums bf16
-    terms in another order)."""
-    import copy
-
+    re-routed counts as eager. bf16 autocast, as in training (the grouped products' compiled path). The gradients
+    agree to float32 rounding: the router's products stay float32 in the traced backward too, where AOT autograd
+    would otherwise run them in bf16 (relative errors of 1e-4 to 4e-3 before ``_Float32Linear``)."""
     from torch._dynamo.utils import counters
 
     eager = _skewed_moe(mode, quantile_rate=0.5).train()
@@ -317,24 +314,17 @@ def test_capacity_compiles_as_one_graph_and_matches_eager(seed, mode):
     compiled.load_state_dict(eager.state_dict())
     counters.clear()
     compiled.compile(fullgraph=True, backend="aot_eager")
-
-    def grads(m: MoE, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(y.float().square().sum(), [x, m.experts.w_down, m.router.weight])
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return ((a - b).norm() / b.norm()).item()
-
-    reference = copy.deepcopy(eager)  # run in float32 (eager: the grouped products compile for bf16 only)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y_ref = eager(x)
         y = compiled(x)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     torch.testing.assert_close(y, y_ref)
+    g_ref = torch.autograd.grad(y_ref.float().square().sum(), [x, eager.experts.w_down, eager.router.weight])
+    g = torch.autograd.grad(y.float().square().sum(), [x, compiled.experts.w_down, compiled.router.weight])
+    for a, b in zip(g, g_ref):
+        assert a.isfinite().all() and ((a - b).norm() / b.norm()).item() < 1e-5
     rerouted = [float(m.last_stats["rerouted"]) for m in (compiled, eager)]
-    g_f32 = grads(reference, reference(x))
-    assert float(reference.last_stats["rerouted"]) == rerouted[0] == rerouted[1] > 0  # one routing in all three
-    for a, b, c in zip(grads(compiled, y), grads(eager, y_ref), g_f32):
-        assert a.isfinite().all() and rel(a, b) <= max(2**-8, rel(b, c))
+    assert rerouted[0] == rerouted[1] > 0
 
 
 def test_balancer_state_round_trips_through_the_state_dict(seed):
