@@ -214,8 +214,11 @@ def test_sliding_average_of_the_histogram_estimate_within_a_bin(seed, rate):
 
 
 def _choosers64(scores: torch.Tensor, bias: torch.Tensor, k: int) -> list[np.ndarray]:
-    s, b = scores.double().numpy(), bias.double().numpy()
-    top = np.argsort(-(s + b), axis=1, kind="stable")[:, :k]
+    """Per expert, the float64 scores of its choosers: tokens whose top k of the float32 key ``s + b`` holds it, the
+    key as the routing ops form it. Sigmoid scores repeat in float32, so two experts' keys can tie exactly at the
+    k-th place: the choice there is torch.topk's, as in the ops (a stable sort would take the lower index)."""
+    s = scores.double().numpy()
+    top = (scores.float() + bias.float()).topk(k, dim=-1).indices.numpy()
     return [s[(top == j).any(axis=1), j] for j in range(s.shape[1])]
 
 
