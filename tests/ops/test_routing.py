@@ -248,16 +248,18 @@ def test_capacity_threshold_brackets_the_exact_count(seed, cf):
 
 
 def _threshold_route_loop(scores: torch.Tensor, bias: torch.Tensor, k: int, theta: torch.Tensor):
-    """Per-token reference: the first k candidates of s + b whose score reaches the expert's threshold."""
-    s, b, th = scores.double().numpy(), bias.double().numpy(), theta.double().numpy()
+    """Per-token reference: the first k candidates of s + b whose score reaches the expert's threshold (candidates
+    ranked by the float32 key as the op ranks them, so exact float32 ties fall the same way)."""
+    s, th = scores.double().numpy(), theta.double().numpy()
+    key = scores.float() + bias.float()
+    ranked, top = key.argsort(dim=-1, descending=True).numpy(), key.topk(k, dim=-1).indices.numpy()
     m = s.shape[0]
     idx = np.full((m, k), -1)
     rerouted = dropped = 0
     for i in range(m):
-        order = np.argsort(-(s[i] + b), kind="stable")
-        ok = [j for j in order if s[i, j] >= th[j]][:k]
+        ok = [j for j in ranked[i] if s[i, j] >= th[j]][:k]
         idx[i, : len(ok)] = ok
-        rerouted += sum(j not in order[:k] for j in ok)
+        rerouted += sum(j not in top[i] for j in ok)
         dropped += k - len(ok)
     return idx, rerouted, dropped
 
