@@ -4,6 +4,7 @@
     python benchmarks/race.py --seeds 1234 --recipes recipes/small.yaml --json F --append   # one run a call
     python benchmarks/race.py --from_json benchmarks/race_h200.json     # RESULTS.md section and PNG only
     python benchmarks/race.py --recipes --variant "small_b32=recipes/small.yaml --data.batch_size=32" ...
+    python benchmarks/race.py --seq_len 8192 --seeds 1234 --json benchmarks/race_8k_h200.json    # longer sequences
 
 Each run is a fresh ``k3lit fit`` process of a recipe as shipped, with ``trainer.max_time`` the budget and no step
 limit, so its learning-rate schedule (warm-up, then the cosine) ends when the time does
@@ -18,7 +19,9 @@ byte by position bucket, up to and beyond the training length: extrapolation at 
 
 A ``--variant LABEL=RECIPE ARG...`` runs a recipe with more ``k3lit fit`` arguments (another batch, balancer or
 capacity), labelled; its final pass still reads the recipe's own batches, so every run is measured on the same
-bytes. For runs with MoE layers the expert load is recorded too: train MaxVio_batch over the second half of the
+bytes. ``--seq_len N`` races every recipe at sequences of ``N`` tokens instead of its own, its batch scaled so a
+step reads as many tokens as the recipe's (:func:`data_args`), in training and in the final pass alike. For runs
+with MoE layers the expert load is recorded too: train MaxVio_batch over the second half of the
 run, held-out MaxVio_global of the final pass, the re-routed share.
 
 Writes the raw runs (``--json``), a PNG of held-out bits per byte against seconds (``--png``, default beside the
@@ -109,6 +112,23 @@ def entrants(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def data_args(recipe: str, seq_len: int | None) -> list[str]:
+    """``k3lit`` arguments that set ``recipe``'s sequences to ``seq_len`` tokens and its batch to the same tokens per
+    step, ``batch_size x seq_len`` of the recipe over ``seq_len``; none for ``seq_len`` None.
+
+    Raises:
+        SystemExit: the recipe's tokens per step are not a multiple of ``seq_len``.
+    """
+    if seq_len is None:
+        return []
+    data = yaml.safe_load((ROOT / recipe).read_text())["data"]
+    tokens = data["batch_size"] * data["seq_len"]
+    if seq_len < 1 or tokens % seq_len:
+        raise SystemExit(f"--seq_len {seq_len}: {recipe} reads {tokens} tokens a step ({data['batch_size']} x "
+                         f"{data['seq_len']}); choose a divisor of it, e.g. {data['seq_len'] * 4}")
+    return [f"--data.seq_len={seq_len}", f"--data.batch_size={tokens // seq_len}"]
+
+
 def label(r: dict) -> str:
     """A run's label (runs stored before variants existed: their recipe's stem)."""
     return r.get("label") or Path(r["recipe"]).stem
@@ -117,15 +137,16 @@ def label(r: dict) -> str:
 def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, out: Path,
         save: Callable[[dict], None] = lambda record: None) -> dict:
     """One entrant (:func:`entrants`) and seed: fit for ``a.minutes`` (the entrant's arguments last), then the final
-    held-out pass on the recipe's own data settings, so every run reads the same bytes; what both logged. ``save``
-    gets the fit's record (``final_val_loss`` None) before the final pass starts, so a call cut short keeps it."""
+    held-out pass on the recipe's own data settings (at ``a.seq_len``, if set), so every run reads the same bytes;
+    what both logged. ``save`` gets the fit's record (``final_val_loss`` None) before the final pass starts, so a
+    call cut short keeps it."""
     name, recipe, extra = entrant
     folder = out / f"{name}-{seed}"
     t0 = time.perf_counter()
     k3lit("fit", "--config", recipe, "--seed_everything", str(seed), f"--trainer.max_time={clock(60 * a.minutes)}",
           "--trainer.max_steps=-1", f"--trainer.val_check_interval={clock(a.val_every)}",
-          f"--trainer.limit_val_batches={a.val_batches}", f"--trainer.default_root_dir={folder}", *a.fit_args,
-          *extra, log=folder.with_suffix(".fit.log"))
+          f"--trainer.limit_val_batches={a.val_batches}", f"--trainer.default_root_dir={folder}",
+          *data_args(recipe, a.seq_len), *a.fit_args, *extra, log=folder.with_suffix(".fit.log"))
     wall = time.perf_counter() - t0
     fit_rows = read_csv(folder / "metrics.csv")
     steps = max(int(r["step"]) for r in fit_rows) + 1
@@ -135,8 +156,9 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
               "median_tokens_per_s": statistics.median(tps) if tps else None,
               "first_step_s": first_step_seconds(folder.with_suffix(".fit.log").read_text()), "positions": None}
     save(record)
-    k3lit("validate", "--config", recipe, "--ckpt_path", str(folder / "checkpoints" / "last.ckpt"),
-          f"--trainer.limit_val_batches={a.final_batches}", f"--trainer.default_root_dir={folder}-val",
+    k3lit("validate", "--config", recipe, *data_args(recipe, a.seq_len), "--ckpt_path",
+          str(folder / "checkpoints" / "last.ckpt"), f"--trainer.limit_val_batches={a.final_batches}",
+          f"--trainer.default_root_dir={folder}-val",
           log=folder.with_suffix(".val.log"))
     val_rows = read_csv(Path(f"{folder}-val") / "metrics.csv")
     final = next(r for r in val_rows if r.get("val/loss"))
@@ -176,13 +198,17 @@ def expert_load(fit_rows: list[dict[str, str]], final: dict[str, str]) -> dict |
             "rerouted": [statistics.mean(v) if v else 0.0 for v in series("train/reroute_rate/layer")]}
 
 
-def same_bytes(recipe: str, batches: int) -> dict:
-    """The held-out blocks ``batches`` validation batches of ``recipe`` read: their count, bytes, and what gzip and
-    xz need for them (:func:`k3lit.train.reference_bpb.reference_bpb`)."""
+def same_bytes(recipe: str, batches: int, seq_len: int | None = None) -> dict:
+    """The held-out blocks ``batches`` validation batches of ``recipe`` read (at ``seq_len``, :func:`data_args`):
+    their count, bytes, and what gzip and xz need for them (:func:`k3lit.train.reference_bpb.reference_bpb`)."""
     from k3lit.data import K3DataModule
     from k3lit.train.reference_bpb import reference_bpb
 
-    dm = K3DataModule(**yaml.safe_load((ROOT / recipe).read_text())["data"])
+    data = yaml.safe_load((ROOT / recipe).read_text())["data"]
+    for arg in data_args(recipe, seq_len):
+        key, _, value = arg.removeprefix("--data.").partition("=")
+        data[key] = int(value)
+    dm = K3DataModule(**data)
     blocks = batches * dm.batch_size
     return {"blocks": blocks, "seq_len": dm.seq_len, **reference_bpb(dm.prepared, dm.seq_len, blocks)}
 
@@ -224,7 +250,9 @@ def table(result: dict, png: str) -> str:
     ref, env = result["same_bytes"], result["env"]
     lines = [
         f"Written by `benchmarks/race.py`. {env['date']} · {env['device']} · torch {env['torch']}, triton "
-        f"{env['triton']} · {result['command']}. Each run a fresh `k3lit fit` of the recipe as shipped with "
+        f"{env['triton']} · {result['command']}. Each run a fresh `k3lit fit` of the recipe as shipped"
+        + (f" at {result['seq_len']:,}-token sequences (its batch scaled to the same tokens per step)"
+           if result.get("seq_len") else "") + " with "
         f"`trainer.max_time` {result['minutes']:g} minutes and no step limit (its cosine ends with the time), one "
         "after the other on one GPU; the budget counts from the start of training, compilation and validation "
         "included. Final held-out pass (`k3lit validate`, last weights): the split's first "
@@ -259,6 +287,12 @@ def table(result: dict, png: str) -> str:
     if len(by_label) >= 2:
         lines += ["", verdict(by_label)]
     return "\n".join(lines + expert_load_table(result) + positions_table(result))
+
+
+def title(result: dict) -> str:
+    """RESULTS.md's section title: one section per device and, for ``--seq_len`` races, per sequence length."""
+    length = f", {result['seq_len']:,}-token sequences" if result.get("seq_len") else ""
+    return f"Race at equal wall-clock{length} ({result['env']['device'].removeprefix('NVIDIA ')})"
 
 
 def verdict(by_label: dict[str, list[float]]) -> str:
@@ -343,9 +377,10 @@ def race(a: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     first = runs[0][1]
     k3lit("prepare", "--config", first, log=out / "prepare.log")
-    result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "env": versions(),
+    result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "seq_len": a.seq_len,
+              "env": versions(),
               "command": command(), "json": a.json or "", "runs": [],
-              "same_bytes": same_bytes(first, a.final_batches)}
+              "same_bytes": same_bytes(first, a.final_batches, a.seq_len)}
     if a.append and a.json and Path(a.json).is_file():  # runs of earlier invocations (one GPU call each)
         result = continued(json.loads(Path(a.json).read_text()), result)
     def save(record: dict) -> None:  # the run in progress is the last entry
@@ -372,6 +407,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--val_every", type=float, default=45.0, help="seconds between validations")
     p.add_argument("--val_batches", type=int, default=25, help="validation batches of each periodic validation")
     p.add_argument("--final_batches", type=int, default=50, help="validation batches of the final held-out pass")
+    p.add_argument("--seq_len", type=int, help="race at sequences of this many tokens, the batch scaled to the "
+                   "recipes' tokens per step (default: each recipe's own)")
     p.add_argument("--positions", type=int, nargs="*", default=[],
                    help="after each run, `k3lit positions` of its weights at these lengths (e.g. 2048 8192 32768)")
     p.add_argument("--positions_blocks", type=int, default=4, help="held-out blocks of each --positions length")
@@ -393,7 +430,7 @@ def main() -> None:
         result = race(a)
     png = a.png or str(Path(a.from_json or a.json or ROOT / a.out / "race.json").with_suffix(".png"))
     plot(result, Path(png))
-    write_section(f"Race at equal wall-clock ({result['env']['device'].removeprefix('NVIDIA ')})", table(result, png))
+    write_section(title(result), table(result, png))
     print(table(result, png))
 
 

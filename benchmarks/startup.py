@@ -3,6 +3,7 @@ compilation, and on the caches a first run left.
 
     python benchmarks/startup.py --json benchmarks/startup_h200.json          # on the GPU: small and small_plain
     python benchmarks/startup.py --from_json benchmarks/startup_h200.json     # RESULTS.md section only
+    python benchmarks/startup.py --recipes recipes/small.yaml --modes cold,warm   # some of the modes
 
 Per recipe, fresh ``k3lit fit --trainer.max_steps=N`` processes of the recipe as shipped (no validation), in this
 order: ``cold, no precompile`` (empty Triton and inductor cache folders, ``TRITON_CACHE_DIR`` and
@@ -54,12 +55,12 @@ def startup(a: argparse.Namespace) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    result = {"steps": a.steps, "env": versions(), "command": command(), "rows": rows}
+    result = {"steps": a.steps, "modes": a.modes, "env": versions(), "command": command(), "rows": rows}
     for recipe in a.recipes:
         k3lit("prepare", "--config", recipe, *[x for x in a.fit_args if x.startswith("--data.")],
               log=out / f"{Path(recipe).stem}-prepare.log")
         with tempfile.TemporaryDirectory(prefix="k3lit-startup-") as tmp:
-            for mode in MODES:
+            for mode in a.modes:
                 caches = Path(tmp) / ("none" if mode == "cold, no precompile" else "shared")
                 rows.append(run(recipe, mode, caches, a, out))
                 if a.json:  # after every row: a call that runs out of time keeps the rows it finished
@@ -83,8 +84,23 @@ def table(result: dict) -> str:
         lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {r['first_step_s']:.1f} | {r['process_s']:.1f} |")
     done = {(r["recipe"], r["mode"]) for r in result["rows"]}
     missing = [f"`{Path(recipe).stem}` {mode}" for recipe in dict.fromkeys(r["recipe"] for r in result["rows"])
-               for mode in MODES if (recipe, mode) not in done]
+               for mode in result.get("modes", MODES) if (recipe, mode) not in done]
     return "\n".join(lines + ([f"\nNot measured (the run ended first): {', '.join(missing)}."] if missing else []))
+
+
+def modes(text: str) -> list[str]:
+    """``--modes``: comma-separated names of :data:`MODES`, run in that table's order.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown mode, or ``warm`` without the ``cold`` run that fills its caches.
+    """
+    chosen = [m.strip() for m in text.split(",")]
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    if "warm" in chosen and "cold" not in chosen:
+        raise argparse.ArgumentTypeError("warm reads the caches the cold run fills: add cold")
+    return [m for m in MODES if m in chosen]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run")
     p.add_argument("--out", default="runs/startup", help="folder of the runs and their logs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
+    p.add_argument("--modes", type=modes, default=list(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     add_output_arguments(p, "raw rows")
     return p
 

@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from benchmarks.race import continued, parser, plot, race, table
+from benchmarks.race import continued, data_args, parser, plot, race, table, title
 from k3lit.data.prepare import prepare_corpus
 
 MODEL = dict(dim=32, n_layers=2, n_heads=2, head_dim=16, mlp_hidden=64, tie_embeddings=True)
@@ -141,3 +141,29 @@ def test_a_run_cut_before_its_final_pass_keeps_what_the_fit_logged(tmp_path, mon
     text = table(result, "r.png")
     assert "| `x` | 3 | 41 | 4.5 | 2,000 | - |" in text and "final held-out pass of `x` seed 3 did not finish" in text
     assert "Mean held-out bpb" not in text  # one finished label: nothing to compare
+
+
+def test_seq_len_races_longer_sequences_at_the_same_tokens_per_step(tmp_path):
+    stdlib_cache = str(tmp_path / "data")
+    prepare_corpus("stdlib", "byte", cache_dir=stdlib_cache, val_fraction=0.05, verbose=False)
+    k3 = recipe(tmp_path / "k3.yaml", stdlib_cache, layer_pattern="KA")
+    assert data_args(k3, None) == []
+    assert data_args(k3, 64) == ["--data.seq_len=64", "--data.batch_size=1"]  # 2 x 32 tokens a step
+    with pytest.raises(SystemExit, match="choose a divisor of it, e.g. 128"):
+        data_args(k3, 48)
+    a = parser().parse_args(["--recipes", k3, "--seeds", "7", "--minutes", "0.05", "--val_every", "2",
+                             "--val_batches", "2", "--final_batches", "3", "--out", str(tmp_path / "runs"),
+                             "--seq_len", "64"])
+    result = race(a)
+    ref = result["same_bytes"]
+    assert (ref["blocks"], ref["seq_len"], ref["bytes"]) == (3, 64, 3 * 65)  # 3 batches of 1 block of 65 tokens
+    (run,) = result["runs"]
+    summary = (tmp_path / "runs" / "k3-7.fit.log").read_text()
+    tokens = int(re.search(r"tokens\s+([0-9,]+) \(this run\)", summary)[1].replace(",", ""))
+    assert tokens == run["steps"] * 64
+    assert "on the 2 validation blocks (130 bytes" in summary  # --val_batches 2 of 1 block of 65 byte tokens
+    assert math.isfinite(run["final_val_loss"])
+    assert title(result) == f"Race at equal wall-clock, 64-token sequences ({result['env']['device']})"
+    assert "at 64-token sequences (its batch scaled to the same tokens per step)" in table(result, "race.png")
+    with pytest.raises(SystemExit, match="another race"):  # a 2,048-token race's runs are not appended to it
+        continued({**result, "same_bytes": {**ref, "seq_len": 32}}, result)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
+import pytest
 import yaml
 
-from benchmarks.startup import MODES, parser, startup, table
+from benchmarks.startup import MODES, modes, parser, startup, table
 
 
 def test_three_modes_of_one_recipe(tmp_path):
@@ -30,3 +32,15 @@ def test_three_modes_of_one_recipe(tmp_path):
     assert "Not measured" not in text
     cut = table({**result, "rows": result["rows"][:2]})  # a run that ended before its warm row
     assert cut.count("| `r` |") == 2 and cut.endswith("Not measured (the run ended first): `r` warm.")
+
+
+def test_modes_are_checked_and_kept_in_table_order():
+    assert parser().parse_args(["--modes", "warm, cold"]).modes == ["cold", "warm"]
+    assert parser().parse_args([]).modes == list(MODES)
+    for bad, message in (("hot", "unknown mode"), ("warm", "add cold")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            modes(bad)
+    row = {"recipe": "r.yaml", "mode": "cold", "first_step_s": 1.0, "process_s": 2.0}
+    env = {"date": "d", "device": "cpu", "torch": "t", "triton": "-"}
+    text = table({"steps": 2, "modes": ["cold", "warm"], "env": env, "command": "c", "rows": [row]})
+    assert text.endswith("Not measured (the run ended first): `r` warm.")  # not the mode it was not asked for
