@@ -355,6 +355,23 @@ def _rerouted_dropped(final: torch.Tensor, top: torch.Tensor) -> tuple[torch.Ten
     return (kept & ~(final[:, :, None] == top[:, None, :]).any(dim=-1)).sum(), (~kept).sum()
 
 
+@torch.library.custom_op("k3lit::first_overflow", mutates_args=())
+def first_overflow(taken: torch.Tensor, cap: int) -> torch.Tensor:
+    """Per column j of ``taken [m, n]`` (int32, entries 0 or 1), the first row r with ``sum(taken[:r + 1, j]) >
+    cap``; m where the column never exceeds ``cap``. Returns ``[n]`` int64.
+
+    The running counts never fall, so that row is the number of rows whose count is at most ``cap``. A custom
+    op, opaque to ``torch.compile``: inductor (torch 2.11, CUDA) fused a running count down a long column (m =
+    32,768, n = 16: a split scan) with the reduction after it and failed to generate the kernel ("NYI
+    TritonSplitDimKernel reductions")."""
+    return (taken.cumsum(0) <= cap).sum(0)
+
+
+@first_overflow.register_fake
+def _first_overflow_fake(taken: torch.Tensor, cap: int) -> torch.Tensor:
+    return taken.new_empty(taken.shape[1], dtype=torch.int64)
+
+
 def causal_capacity_route(
     scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -408,8 +425,7 @@ def causal_capacity_route(
         for _ in range(n):  # each round closes at most one expert, at most once: n rounds settle all
             idx, kept = choose()
             taken = torch.zeros(m, n, dtype=torch.int32, device=dev).scatter_add_(1, idx, kept.int())
-            over = taken.cumsum(0) > cap  # [m, n]
-            first = torch.where(over.any(0), over.int().argmax(0), m)  # [n]
+            first = first_overflow(taken, cap)  # [n]
             # close the expert that overflows first (a no-op once settled); a mask, not closes_at[j]: no host sync,
             # and no data-dependent index for torch.compile
             closes_at = torch.where(experts == first.argmin(), torch.minimum(closes_at, first), closes_at)

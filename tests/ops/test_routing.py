@@ -13,6 +13,7 @@ from k3lit.ops.routing import (
     causal_capacity_route,
     chooser_score_histogram,
     expert_counts,
+    first_overflow,
     quantile_bias_from_histogram,
     required_bias_histogram,
     sliding_average,
@@ -348,6 +349,41 @@ def test_causal_capacity_route_ignores_later_positions(seed):
     fixed = capacity_route(scores, bias, k, 1.0)[0].view(B, T, k)
     fixed2 = capacity_route(later, bias, k, 1.0)[0].view(B, T, k)
     assert not torch.equal(fixed2[:, :30], fixed[:, :30])
+
+
+def test_first_overflow_is_the_row_that_passes_the_count():
+    """Per column, the first row at which the running count of ones exceeds cap (a token-by-token count as the
+    reference); m for a column that never does. Compiled to one graph without a break, as the route uses it."""
+    torch.manual_seed(0)
+    m, n, cap = 300, 6, 40
+    taken = (torch.rand(m, n) < torch.tensor([0.05, 0.1, 0.14, 0.3, 0.9, 0.0])).int()
+    want = []
+    for j in range(n):
+        count, row = 0, m
+        for r in range(m):
+            count += int(taken[r, j])
+            if count > cap:
+                row = r
+                break
+        want.append(row)
+    assert want[0] == want[-1] == m and min(want) < m  # columns that never pass, and some that do
+    got = first_overflow(taken, cap)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    compiled = torch.compile(lambda t: first_overflow(t, cap) + 0, fullgraph=True, backend="aot_eager")
+    assert compiled(taken).tolist() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+def test_causal_capacity_route_compiles_with_inductor_at_the_small_recipe_shape():
+    """inductor on CUDA at the ``small`` recipe's MoE shape (m = 16 x 2048 tokens, 16 experts, top-2, cf 1.1): the
+    same routing as eager (inductor 2.11 failed to generate the running count's kernel before ``first_overflow``)."""
+    torch.manual_seed(0)
+    scores = _scores(16 * 2048, 16, 2.0 * torch.randn(16)).cuda()
+    bias = torch.zeros(16, device="cuda")
+    eager = causal_capacity_route(scores, bias, 2, 1.1, 2048)
+    compiled = torch.compile(causal_capacity_route, fullgraph=True)(scores, bias, 2, 1.1, 2048)
+    assert torch.equal(compiled[0], eager[0]) and int(compiled[2]) == int(eager[2]) > 0
 
 
 def test_causal_capacity_route_rejects_partial_sequences():
