@@ -3,6 +3,7 @@
     python benchmarks/race.py --minutes 6 --seeds 1234 1235 --json benchmarks/race_h200.json    # on the GPU
     python benchmarks/race.py --seeds 1234 --recipes recipes/small.yaml --json F --append   # one run a call
     python benchmarks/race.py --from_json benchmarks/race_h200.json     # RESULTS.md section and PNG only
+    python benchmarks/race.py --from_json a.json b.json --json both.json   # runs of one race from several calls
     python benchmarks/race.py --recipes --variant "small_b32=recipes/small.yaml --data.batch_size=32" ...
     python benchmarks/race.py --seq_len 8192 --seeds 1234 --json benchmarks/race_8k_h200.json    # longer sequences
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import re
@@ -257,12 +259,14 @@ def table(result: dict, png: str) -> str:
         "after the other on one GPU; the budget counts from the start of training, compilation and validation "
         "included. Final held-out pass (`k3lit validate`, last weights): the split's first "
         f"{ref['blocks']} blocks of {ref['seq_len'] + 1} tokens, {ref['bytes']:,} bytes, the same bytes for every "
-        f"run: gzip -9 {ref['gzip -9']:.3f}, xz -9e {ref['xz -9e']:.3f} bits per byte. Raw runs: "
-        f"`{result.get('json', '')}`; curve: `{png}`. With `--append`, the command of the latest invocation; each "
-        "earlier one ran the same race for other recipes or seeds.",
+        f"run: gzip -9 {ref['gzip -9']:.3f}, xz -9e {ref['xz -9e']:.3f} bits per byte. Last periodic validation: "
+        f"the run's last `val/bpb` inside its budget, on the split's first {result['val_batches']} batches (the "
+        "curve's last point; a model's bpb, not on the final pass's bytes). Raw runs: "
+        f"`{result.get('json', '')}`; curve: `{png}`. Runs from several invocations (`--append`, or several files "
+        "to `--from_json`): the command of the latest; each earlier one ran the same race for other recipes or seeds.",
         "",
-        "| run | seed | steps | first step (s) | median tokens/s | held-out bpb |",
-        "|---|---|---|---|---|---|",
+        "| run | seed | steps | first step (s) | median tokens/s | last periodic validation (bpb) | held-out bpb |",
+        "|---|---|---|---|---|---|---|",
     ]
     by_label: dict[str, list[float]] = {}
     unfinished = []
@@ -275,7 +279,8 @@ def table(result: dict, png: str) -> str:
         tps = f"{r['median_tokens_per_s']:,.0f}" if r.get("median_tokens_per_s") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
         shown = "-" if value is None else f"{value:.4f}"
-        lines.append(f"| `{label(r)}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {shown} |")
+        last = f"{r['curve'][-1][2]:.4f}" if r.get("curve") else "-"
+        lines.append(f"| `{label(r)}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {last} | {shown} |")
     if unfinished:
         lines += ["", "The final held-out pass of " + ", ".join(unfinished) + " did not finish (the call ended "
                       "first): the row keeps what the fit logged, its curve is in the plot, and it counts in no mean."]
@@ -417,18 +422,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the raw runs here")
     p.add_argument("--append", action="store_true", help="add to the runs --json holds, if any (same race)")
     p.add_argument("--png", help="the curve (default: the JSON's path with .png)")
-    p.add_argument("--from_json", help="only write RESULTS.md's section and the PNG from this file")
+    p.add_argument("--from_json", nargs="+", help="only write RESULTS.md's section and the PNG from these files, "
+                   "the runs of one race (several: joined in this order and written to --json, if given)")
     return p
 
 
 def main() -> None:
     a = parser().parse_args()
     if a.from_json:
-        result = json.loads(Path(a.from_json).read_text())
-        result["json"] = a.from_json
+        result = functools.reduce(continued, (json.loads(Path(f).read_text()) for f in a.from_json))
+        result["json"] = a.json or a.from_json[0]
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1))
     else:
         result = race(a)
-    png = a.png or str(Path(a.from_json or a.json or ROOT / a.out / "race.json").with_suffix(".png"))
+    png = a.png or str(Path(a.json or (a.from_json or [ROOT / a.out / "race.json"])[0]).with_suffix(".png"))
     plot(result, Path(png))
     write_section(title(result), table(result, png))
     print(table(result, png))
