@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -44,10 +45,13 @@ def run(recipe: str, mode: str, caches: Path, a: argparse.Namespace, out: Path) 
           "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={out / name}", *a.fit_args,
           *(OFF if mode == "cold, no precompile" else []), log=out / f"{name}.log", env=env)
     wall = time.perf_counter() - t0
-    first = first_step_seconds((out / f"{name}.log").read_text())
+    log = (out / f"{name}.log").read_text()
+    first = first_step_seconds(log)
     if first is None:
         raise RuntimeError(f"no first-step time in {out / name}.log")
-    return {"recipe": recipe, "mode": mode, "first_step_s": first, "process_s": wall}
+    setup = re.search(r"set-up\W+([0-9.]+) s from the process's start", log)
+    return {"recipe": recipe, "mode": mode, "setup_s": float(setup[1]) if setup else None, "first_step_s": first,
+            "process_s": wall}
 
 
 def startup(a: argparse.Namespace) -> dict:
@@ -75,13 +79,16 @@ def table(result: dict) -> str:
     env = result["env"]
     lines = [f"{env['date']}, {env['device']}, torch {env['torch']}, triton {env['triton']}; {result['command']}. "
              f"Each row a fresh `k3lit fit` process of the recipe as shipped, {result['steps']} steps, no validation. "
-             "First step: from the start of training to the end of the first optimizer step (compilation "
-             "included); process: the whole command, interpreter start and model build included. `cold`: empty "
+             "Set-up: from the process's start to the start of training (the run summary's row: imports, model, "
+             "data, strategy); first step: from the start of training to the end of the first optimizer step "
+             "(compilation included); process: the whole command, interpreter start to exit. `cold`: empty "
              "Triton and inductor caches; `warm`: the caches the `cold` run left; `no precompile`: "
              "`KernelPrecompile` off (the Triton kernels compile at their first launches).", "",
-             "| recipe | caches | first step (s) | process (s) |", "|---|---|---|---|"]
+             "| recipe | caches | set-up (s) | first step (s) | process (s) |", "|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {r['first_step_s']:.1f} | {r['process_s']:.1f} |")
+        setup = "-" if r.get("setup_s") is None else f"{r['setup_s']:.1f}"
+        lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {setup} | {r['first_step_s']:.1f} | "
+                     f"{r['process_s']:.1f} |")
     done = {(r["recipe"], r["mode"]) for r in result["rows"]}
     missing = [f"`{Path(recipe).stem}` {mode}" for recipe in dict.fromkeys(r["recipe"] for r in result["rows"])
                for mode in result.get("modes", MODES) if (recipe, mode) not in done]

@@ -4,6 +4,7 @@
       steps          1000
       tokens         4,096,000 (this run)
       wall time      0:09:00 (validation 0:00:29)
+      set-up         9.4 s from the process's start to training's (imports, model, data, strategy)
       first step     2.1 s after training started (compilation included)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
@@ -27,9 +28,11 @@ blocks from the split's start as rank zero validated).
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -53,8 +56,8 @@ __all__ = ["RunSummary"]
 
 
 class RunSummary(Callback):
-    """Print, when ``fit`` ends, the steps and tokens trained, wall time, the first optimizer step's time (start-up:
-    compilation, the first batch), tokens/s, MFU (where the device's peak is
+    """Print, when ``fit`` ends, the steps and tokens trained, wall time, the set-up before training (where the
+    process's age is known: Linux), the first optimizer step's time (start-up: compilation, the first batch), tokens/s, MFU (where the device's peak is
     known), the last validation's ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and
     the checkpoint, plots and logs with the command that samples from the checkpoint.
 
@@ -86,11 +89,13 @@ class RunSummary(Callback):
         self._val_blocks = 0
         self._val_step: int | None = None
         self._first_step_s: float | None = None
+        self._setup_s: float | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
         self._start_step = trainer.global_step
+        self._setup_s = process_age_s()
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -170,6 +175,8 @@ class RunSummary(Callback):
             ("steps", steps),
             ("tokens", f"{self._tokens * world:,} (this run)"),
             ("wall time", f"{clock(wall)} (validation {clock(self._val_seconds)})"),
+            *([("set-up", f"{self._setup_s:.1f} s from the process's start to training's (imports, model, data, "
+                          "strategy)")] if self._setup_s is not None else []),
             ("first step", "none" if self._first_step_s is None else
              f"{self._first_step_s:.1f} s after training started (compilation included)"),
             ("tokens/s", f"{self._tokens * world / train_seconds:,.0f} (all devices, validation excluded)"),
@@ -248,3 +255,16 @@ class RunSummary(Callback):
         if ckpt:
             rows.append(("sample", f"k3lit generate --ckpt {shlex.quote(ckpt)}"))
         return rows
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (interpreter start included), from Linux's ``/proc``: the system's
+    uptime less the process's start time (``/proc/self/stat`` field 22, in clock ticks after boot); None where
+    ``/proc`` does not hold them."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # field 3 onwards: the name may hold
+        ticks = int(fields[19])  # spaces and parentheses
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None

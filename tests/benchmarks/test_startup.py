@@ -25,10 +25,12 @@ def test_three_modes_of_one_recipe(tmp_path):
     assert [r["mode"] for r in result["rows"]] == list(MODES)
     for r in result["rows"]:
         assert 0 <= r["first_step_s"] < r["process_s"], r
+        assert 0 < r["setup_s"] < r["process_s"] - r["first_step_s"], r  # read from the run summary
     log = (tmp_path / "runs" / "r-cold-no-precompile.log").read_text()
     assert "steps          2" in log
     text = table(result)
     assert text.count("| `r` |") == 3 and "| cold, no precompile |" in text and "| warm |" in text
+    assert f"| warm | {result['rows'][2]['setup_s']:.1f} | {result['rows'][2]['first_step_s']:.1f} |" in text
     assert "Not measured" not in text
     cut = table({**result, "rows": result["rows"][:2]})  # a run that ended before its warm row
     assert cut.count("| `r` |") == 2 and cut.endswith("Not measured (the run ended first): `r` warm.")

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from io import StringIO
 from pathlib import Path
 
@@ -23,8 +24,8 @@ TINY = [
     "--data.batch_size=2", "--trainer.limit_val_batches=2", "--trainer.log_every_n_steps=2",
     "--trainer.enable_model_summary=false",
 ]
-SUMMARY_FIELDS = ("steps", "tokens", "wall time", "first step", "tokens/s", "MFU", "held-out bpb", "same bytes",
-                  "MaxVio_global", "checkpoint", "plots", "metrics", "sample")
+SUMMARY_FIELDS = ("steps", "tokens", "wall time", "set-up", "first step", "tokens/s", "MFU", "held-out bpb",
+                  "same bytes", "MaxVio_global", "checkpoint", "plots", "metrics", "sample")
 
 
 def fit_args(root: Path, cache: str, steps: int, every: int) -> list[str]:
@@ -36,8 +37,10 @@ def fit_args(root: Path, cache: str, steps: int, every: int) -> list[str]:
 def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path, stdlib_cache):
     """The real command, stdout and stderr to a file (as a SLURM job's log)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "k3lit.cli", *fit_args(tmp_path, stdlib_cache, 6, 3)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
+    process_s = time.monotonic() - t0
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     # progress: one line per log_every_n_steps optimizer steps, against max_steps (tiny's max_time is further off)
@@ -49,6 +52,9 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     assert all(f in fields for f in SUMMARY_FIELDS), fields
     assert fields["steps"] == "6" and fields["tokens"] == f"{6 * 2 * 32:,} (this run)"
     assert re.fullmatch(r"[\d.]+ s after training started \(compilation included\)", fields["first step"])
+    setup = re.fullmatch(r"([\d.]+) s from the process's start to training's \(imports, model, data, strategy\)",
+                         fields["set-up"])
+    assert setup and 0.5 < float(setup[1]) < process_s, (fields["set-up"], process_s)  # imports alone take > 0.5 s
     assert re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the split's 1 bytes/token\)", fields["held-out bpb"])
     same = re.fullmatch(r"model ([\d.]+) · gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the 4 validation blocks "
                         r"\(([\d,]+) bytes, ([\d.]+) bytes/token\)", fields["same bytes"])
@@ -85,7 +91,7 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     assert {s for s, _ in frames} <= {"1", "2", "3", "4"}
     assert "k3lit fit: max_steps reached at step 4" in text
     assert all(f"{label} " in text for label, _ in summary.rows)
-    assert [label for label, _ in summary.rows] == [*SUMMARY_FIELDS[:6], "recent rate", *SUMMARY_FIELDS[6:]]
+    assert [label for label, _ in summary.rows] == [*SUMMARY_FIELDS[:7], "recent rate", *SUMMARY_FIELDS[7:]]
     rows = dict(summary.rows)
     assert rows["tokens"] == f"{4 * 2 * 2 * 32:,} (this run)"  # 4 steps of 2 micro-batches of [2, 32]
     tokens_per_s = float(rows["tokens/s"].split()[0].replace(",", ""))
@@ -97,3 +103,13 @@ def test_the_terminal_bar_counts_optimizer_steps_and_the_summary_is_a_table(tmp_
     assert recent, rows["recent rate"]
     recent_tps = float(recent.group(1).replace(",", ""))
     assert float(recent.group(2)) == pytest.approx(100 * recent_tps * flops_per_token / 1e9, rel=0.02, abs=0.06)
+
+
+def test_process_age_counts_from_the_interpreter_start():
+    """A child that sleeps 1 s before asking is at least 1 s old, and younger than its parent measured it."""
+    code = "import time; time.sleep(1.0); from k3lit.train.summary import process_age_s; print(process_age_s())"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    wall = time.monotonic() - t0
+    assert 1.0 <= float(out.stdout) <= wall + 0.02, (out.stdout, wall)  # /proc's clock ticks: 10 ms
