@@ -57,9 +57,10 @@ __all__ = ["RunSummary"]
 
 class RunSummary(Callback):
     """Print, when ``fit`` ends, the steps and tokens trained, wall time, the set-up before training (where the
-    process's age is known: Linux), the first optimizer step's time (start-up: compilation, the first batch), tokens/s, MFU (where the device's peak is
-    known), the last validation's ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and
-    the checkpoint, plots and logs with the command that samples from the checkpoint.
+    process's age is known: Linux), the first optimizer step's time (start-up: compilation, the first batch),
+    tokens/s, MFU (where the device's peak is known), the last validation's ``val/bpb`` with gzip and xz on the same
+    text, MaxVio_global per MoE layer, and the checkpoint, plots and logs with the command that samples from the
+    checkpoint.
 
     Args:
         rich: a rich table (True) or plain log lines (False); default: a table when stdout is a terminal.
