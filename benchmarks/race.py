@@ -22,8 +22,8 @@ A ``--variant LABEL=RECIPE ARG...`` runs a recipe with more ``k3lit fit`` argume
 capacity), labelled; its final pass still reads the recipe's own batches, so every run is measured on the same
 bytes. ``--seq_len N`` races every recipe at sequences of ``N`` tokens instead of its own, its batch scaled so a
 step reads as many tokens as the recipe's (:func:`data_args`), in training and in the final pass alike. For runs
-with MoE layers the expert load is recorded too: train MaxVio_batch over the second half of the
-run, held-out MaxVio_global of the final pass, the re-routed share.
+with MoE layers the expert load is recorded too: train MaxVio_batch over the second half of the run, held-out
+MaxVio_global of the final pass, the re-routed share.
 
 Writes the raw runs (``--json``), a PNG of held-out bits per byte against seconds (``--png``, default beside the
 JSON) and RESULTS.md's section "Race at equal wall-clock (<GPU>)".
@@ -383,8 +383,7 @@ def race(a: argparse.Namespace) -> dict:
     first = runs[0][1]
     k3lit("prepare", "--config", first, log=out / "prepare.log")
     result = {"minutes": a.minutes, "seeds": a.seeds, "val_batches": a.val_batches, "seq_len": a.seq_len,
-              "env": versions(),
-              "command": command(), "json": a.json or "", "runs": [],
+              "env": versions(), "command": command(), "json": a.json or "", "runs": [],
               "same_bytes": same_bytes(first, a.final_batches, a.seq_len)}
     if a.append and a.json and Path(a.json).is_file():  # runs of earlier invocations (one GPU call each)
         result = continued(json.loads(Path(a.json).read_text()), result)
