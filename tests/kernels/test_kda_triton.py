@@ -794,6 +794,18 @@ def test_gpu_fused_gate_and_l2norm(seed, K):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("B,T", [(16, 2048), (4, 8192), (1, 32768)])
+def test_gpu_fused_at_the_small_recipes_shapes(seed, B, T):
+    """The fused op as the ``small`` model calls it (H = 12, K = V = 64, bf16, the launch plan ``"auto"`` picks):
+    B16 T2048 takes the transposed scans, B4 T8192 (48 sequence-heads) the plain ones, B1 T32768 the plain ones with
+    the backward in pipeline segments. Each within docs/MATH.md §1's tolerances of the float64 reference over the
+    whole sequence."""
+    err = run_fused(B, T, 12, 64, 64, dtype=torch.bfloat16, device="cuda")
+    assert_errors(err, {**TOL_BF16, "e": TOL_BF16["g"], "bias": TOL_BF16["g"]})
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_dense_metadata_first_built_in_a_graph_capture(seed):
     """Chunk metadata made while a CUDA graph is captured holds its values only when the graph replays; an eager
     call of the same shape after the capture must not be handed those tensors (it gets ones built eagerly)."""
