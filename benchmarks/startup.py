@@ -50,8 +50,9 @@ def run(recipe: str, mode: str, caches: Path, a: argparse.Namespace, out: Path) 
     if first is None:
         raise RuntimeError(f"no first-step time in {out / name}.log")
     setup = re.search(r"set-up\W+([0-9.]+) s from the process's start", log)
+    h, m, sec = map(int, re.search(r"wall time\W+(\d+):(\d\d):(\d\d)", log).groups())
     return {"recipe": recipe, "mode": mode, "setup_s": float(setup[1]) if setup else None, "first_step_s": first,
-            "process_s": wall}
+            "training_s": 3600 * h + 60 * m + sec, "process_s": wall}
 
 
 def startup(a: argparse.Namespace) -> dict:
@@ -81,13 +82,18 @@ def table(result: dict) -> str:
              f"Each row a fresh `k3lit fit` process of the recipe as shipped, {result['steps']} steps, no validation. "
              "Set-up: from the process's start to the start of training (the run summary's row: imports, model, "
              "data, strategy); first step: from the start of training to the end of the first optimizer step "
-             "(compilation included); process: the whole command, interpreter start to exit. `cold`: empty "
+             "(compilation included); after training: the process less its set-up and its training wall time (the "
+             "summary's, to the second: last checkpoint, plots, teardown); process: the whole command, interpreter "
+             "start to exit. `cold`: empty "
              "Triton and inductor caches; `warm`: the caches the `cold` run left; `no precompile`: "
              "`KernelPrecompile` off (the Triton kernels compile at their first launches).", "",
-             "| recipe | caches | set-up (s) | first step (s) | process (s) |", "|---|---|---|---|---|"]
+             "| recipe | caches | set-up (s) | first step (s) | after training (s) | process (s) |",
+             "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         setup = "-" if r.get("setup_s") is None else f"{r['setup_s']:.1f}"
-        lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {setup} | {r['first_step_s']:.1f} | "
+        after = "-" if r.get("setup_s") is None or r.get("training_s") is None else \
+            f"{r['process_s'] - r['setup_s'] - r['training_s']:.0f}"
+        lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {setup} | {r['first_step_s']:.1f} | {after} | "
                      f"{r['process_s']:.1f} |")
     done = {(r["recipe"], r["mode"]) for r in result["rows"]}
     missing = [f"`{Path(recipe).stem}` {mode}" for recipe in dict.fromkeys(r["recipe"] for r in result["rows"])

@@ -26,11 +26,15 @@ def test_three_modes_of_one_recipe(tmp_path):
     for r in result["rows"]:
         assert 0 <= r["first_step_s"] < r["process_s"], r
         assert 0 < r["setup_s"] < r["process_s"] - r["first_step_s"], r  # read from the run summary
+        assert 0 <= r["training_s"] < r["process_s"] - r["setup_s"] + 1, r  # the summary's wall time, to the second
     log = (tmp_path / "runs" / "r-cold-no-precompile.log").read_text()
     assert "steps          2" in log
     text = table(result)
     assert text.count("| `r` |") == 3 and "| cold, no precompile |" in text and "| warm |" in text
-    assert f"| warm | {result['rows'][2]['setup_s']:.1f} | {result['rows'][2]['first_step_s']:.1f} |" in text
+    warm = result["rows"][2]
+    after = warm["process_s"] - warm["setup_s"] - warm["training_s"]
+    row = f"| warm | {warm['setup_s']:.1f} | {warm['first_step_s']:.1f} | {after:.0f} | {warm['process_s']:.1f} |"
+    assert row in text
     assert "Not measured" not in text
     cut = table({**result, "rows": result["rows"][:2]})  # a run that ended before its warm row
     assert cut.count("| `r` |") == 2 and cut.endswith("Not measured (the run ended first): `r` warm.")
