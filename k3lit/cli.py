@@ -316,6 +316,9 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--precision", type=Literal["bf16-mixed", "32-true"] | None, default=None,
                         help="bf16-mixed: prefill and decoding under bf16 autocast (float32 weights and recurrent "
                              "state); default bf16-mixed on CUDA, else 32-true")
+    parser.add_argument("--compile", type=bool, default=False,
+                        help="compile the decoding step (torch.compile, the key/value cache length symbolic); its "
+                             "first steps compile, which --stats' untimed pass takes out of the timing")
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     ckpt = load_model_checkpoint(args.ckpt)
@@ -337,21 +340,24 @@ def generate_main(argv: list[str]) -> None:
     autocast = torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     timings: dict[str, float] | None = {} if args.stats else None
     with autocast:
-        if args.stats:  # untimed: the same prompt and two decoding steps compile every kernel the timed pass runs
-            model.generate(idx, min(2, args.max_new_tokens), args.temperature, args.top_k,
-                           torch.Generator(device=args.device).manual_seed(args.seed))
+        if args.stats:  # untimed: the same prompt and three decoding steps compile every kernel (and, with
+            # --compile, every graph: they settle by the second step) that the timed pass runs
+            model.generate(idx, min(3, args.max_new_tokens), args.temperature, args.top_k,
+                           torch.Generator(device=args.device).manual_seed(args.seed), compile_decode=args.compile)
         if args.stats and idx.is_cuda:
             torch.cuda.reset_peak_memory_stats(idx.device)
         gen = torch.Generator(device=args.device).manual_seed(args.seed)
-        out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, gen, timings=timings)
+        out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, gen, timings=timings,
+                             compile_decode=args.compile)
     print(tok.decode(out[0].tolist()))
     if timings is not None:
         peak = f"{torch.cuda.max_memory_allocated(idx.device) / 2**30:.2f} GiB" if idx.is_cuda else "n/a (CPU)"
         decode = args.max_new_tokens / timings["decode_s"] if timings["decode_s"] > 0 else float("nan")
         print(f"k3lit generate: prompt {len(ids):,} tokens, prefill {timings['prefill_s']:.2f} s "
               f"({len(ids) / timings['prefill_s']:,.0f} tokens/s); {args.max_new_tokens} new tokens in "
-              f"{timings['decode_s']:.2f} s ({decode:,.1f} tokens/s); peak device memory {peak}; {precision}, "
-              "after an untimed pass over the same prompt (kernel compilation excluded)", file=sys.stderr)
+              f"{timings['decode_s']:.2f} s ({decode:,.1f} tokens/s); peak device memory {peak}; {precision}"
+              f"{', decoding step compiled' if args.compile else ''}, after an untimed pass over the same prompt "
+              "(kernel compilation excluded)", file=sys.stderr)
 
 
 def positions_main(argv: list[str]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -411,6 +411,7 @@ class K3LM(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         timings: dict[str, float] | None = None,
+        compile_decode: bool | str = False,
     ) -> torch.Tensor:
         """Sample continuations: prefill the prompt once, then decode one token at a time from the recurrent
         KDA states and the attention key/value caches.
@@ -423,6 +424,11 @@ class K3LM(nn.Module):
             generator: RNG for reproducible sampling.
             timings: if given, filled with ``prefill_s`` and ``decode_s``, wall seconds of the prompt's forward and
                 of the decoding loop (the device synchronised at each end: for measurements, not for serving).
+            compile_decode: run each decoding step through ``torch.compile(self, dynamic=True)`` (True: inductor;
+                a string: that backend): one graph whose key/value cache length is symbolic, so the growing caches
+                do not recompile it, and whose elementwise work (residual mixing, norms, routing) fuses into far
+                fewer kernels than the eager step launches. The first steps compile; the prefill stays eager. The
+                compiled module is kept for later calls.
 
         Returns:
             ``[B, T0 + max_new_tokens]`` int64.
@@ -435,13 +441,26 @@ class K3LM(nn.Module):
         if clock:
             timings["prefill_s"] = clock.lap()
         out = [idx]
+        step = self._decode_step(compile_decode)
         for _ in range(max_new_tokens):
             nxt = sample_next(logits[:, -1].float(), temperature, top_k, generator)  # [B, 1]
             out.append(nxt)
-            logits, states = self(nxt, states)
+            logits, states = step(nxt, states)
         if clock:
             timings["decode_s"] = clock.lap()
         return torch.cat(out, dim=1)
+
+
+    def _decode_step(self, compile_decode: bool | str) -> Callable[..., tuple[torch.Tensor, list[Any] | None]]:
+        """The module itself, or (``compile_decode``) its compiled form for that backend, built once and kept."""
+        if not compile_decode:
+            return self
+        backend = "inductor" if compile_decode is True else compile_decode
+        cached = self.__dict__.get("_compiled_decode")  # not a submodule: kept out of state_dict and modules()
+        if cached is None or cached[0] != backend:
+            cached = (backend, torch.compile(self, dynamic=True, backend=backend))
+            self.__dict__["_compiled_decode"] = cached
+        return cached[1]
 
 
 class _SyncedClock:

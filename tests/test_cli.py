@@ -165,6 +165,12 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
     plain = capsys.readouterr().out
     main([*sampled, "--stats", "true"])
     assert capsys.readouterr().out == plain
+    greedy = [*gen, "--prompt_tokens", "40"]
+    main(greedy)
+    eager = capsys.readouterr().out
+    main([*greedy, "--compile", "true", "--stats", "true"])  # the decoding step through inductor: the same tokens
+    out = capsys.readouterr()
+    assert out.out == eager and "32-true, decoding step compiled, after an untimed pass" in out.err
     main([*sampled, "--precision", "bf16-mixed", "--stats", "true"])  # bf16 autocast runs on CPU too
     out = capsys.readouterr()
     assert out.out.startswith("import os\n" * 4) and "bf16-mixed, after an untimed pass" in out.err

@@ -96,6 +96,26 @@ def test_greedy_generation_equals_recompute(seed):
     assert torch.equal(out, seq)
 
 
+def test_compiled_decoding_samples_what_eager_decoding_does(seed):
+    """``compile_decode``: the same greedy tokens as the eager loop; the growing key/value caches (symbolic
+    length) compile no new graph after the first steps, and a second call reuses the compiled module. No MoE
+    layer: on the CPU the experts' fallback loop reads each group's size on the host (a graph break); on CUDA
+    ``grouped_mm`` takes the whole batch."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = build(n_experts=0).eval()
+    prompt = torch.randint(0, 50, (2, 5))
+    want = model.generate(prompt, max_new_tokens=12, temperature=0)
+    counters.clear()
+    got = model.generate(prompt, max_new_tokens=3, temperature=0, compile_decode="aot_eager")
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    got = model.generate(prompt, max_new_tokens=12, temperature=0, compile_decode="aot_eager")
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == graphs  # caches of 6 to 17 positions: the same graphs
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"top_k": 0}, r"top_k=0 \(--top_k\): must be >= 1, or None"),
     ({"temperature": -1.0}, r"temperature=-1.0 \(--temperature\): must be a finite number >= 0"),
