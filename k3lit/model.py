@@ -450,7 +450,6 @@ class K3LM(nn.Module):
             timings["decode_s"] = clock.lap()
         return torch.cat(out, dim=1)
 
-
     def _decode_step(self, compile_decode: bool | str) -> Callable[..., tuple[torch.Tensor, list[Any] | None]]:
         """The module itself, or (``compile_decode``) its compiled form for that backend, built once and kept."""
         if not compile_decode:
