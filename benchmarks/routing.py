@@ -24,32 +24,19 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import yaml
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.profile_step import OpCounter  # noqa: E402
 from benchmarks.results import add_output_arguments, command, run_or_load, versions  # noqa: E402
 from k3lit.ops.routing import capacity_route, causal_capacity_route, route  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _AtenOps(TorchDispatchMode):
-    """Counts the aten operations dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def routings(m: int, n: int, k: int, seq_len: int, cfs: list[float], threshold: torch.Tensor
@@ -113,9 +100,9 @@ def measure(a: argparse.Namespace) -> dict:
             _, w, _ = f(s, bias)
             (w * grad).sum().backward()
 
-        with torch.no_grad(), _AtenOps() as counted:
+        with torch.no_grad(), OpCounter() as counted:
             idx, _, rerouted = fn(scores, bias)
-        row = {"routing": name, "eager_ms": median_ms(step, device, a.reps), "aten_ops": sum(counted.ops.values()),
+        row = {"routing": name, "eager_ms": median_ms(step, device, a.reps), "aten_ops": sum(counted.counts.values()),
                "rerouted": int(rerouted) / (m * k), "compiled_ms": None}
         if compilable:
             compiled = torch.compile(fn, fullgraph=True, backend=a.backend)
