@@ -21,7 +21,7 @@ byte by position bucket, up to and beyond the training length: extrapolation at 
 A ``--variant LABEL=RECIPE ARG...`` runs a recipe with more ``k3lit fit`` arguments (another batch, balancer or
 capacity), labelled; its final pass still reads the recipe's own batches, so every run is measured on the same
 bytes. ``--seq_len N`` races every recipe at sequences of ``N`` tokens instead of its own, its batch scaled so a
-step reads as many tokens as the recipe's (:func:`data_args`), in training and in the final pass alike. For runs
+step reads as many tokens as the recipe's (:func:`data_overrides`), in training and in the final pass alike. For runs
 with MoE layers the expert load is recorded too: train MaxVio_batch over the second half of the run, held-out
 MaxVio_global of the final pass, the re-routed share.
 
@@ -114,21 +114,26 @@ def entrants(a: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def data_args(recipe: str, seq_len: int | None) -> list[str]:
-    """``k3lit`` arguments that set ``recipe``'s sequences to ``seq_len`` tokens and its batch to the same tokens per
-    step, ``batch_size x seq_len`` of the recipe over ``seq_len``; none for ``seq_len`` None.
+def data_overrides(recipe: str, seq_len: int | None) -> dict[str, int]:
+    """``recipe``'s data fields for sequences of ``seq_len`` tokens at the same tokens per step: ``seq_len`` and
+    ``batch_size`` = the recipe's ``batch_size x seq_len`` over ``seq_len``; none for ``seq_len`` None.
 
     Raises:
         SystemExit: the recipe's tokens per step are not a multiple of ``seq_len``.
     """
     if seq_len is None:
-        return []
+        return {}
     data = yaml.safe_load((ROOT / recipe).read_text())["data"]
     tokens = data["batch_size"] * data["seq_len"]
     if seq_len < 1 or tokens % seq_len:
         raise SystemExit(f"--seq_len {seq_len}: {recipe} reads {tokens} tokens a step ({data['batch_size']} x "
                          f"{data['seq_len']}); choose a divisor of it, e.g. {data['seq_len'] * 4}")
-    return [f"--data.seq_len={seq_len}", f"--data.batch_size={tokens // seq_len}"]
+    return {"seq_len": seq_len, "batch_size": tokens // seq_len}
+
+
+def data_args(recipe: str, seq_len: int | None) -> list[str]:
+    """:func:`data_overrides` as ``k3lit`` arguments."""
+    return [f"--data.{key}={value}" for key, value in data_overrides(recipe, seq_len).items()]
 
 
 def label(r: dict) -> str:
@@ -201,16 +206,13 @@ def expert_load(fit_rows: list[dict[str, str]], final: dict[str, str]) -> dict |
 
 
 def same_bytes(recipe: str, batches: int, seq_len: int | None = None) -> dict:
-    """The held-out blocks ``batches`` validation batches of ``recipe`` read (at ``seq_len``, :func:`data_args`):
+    """The held-out blocks ``batches`` validation batches of ``recipe`` read (at ``seq_len``, :func:`data_overrides`):
     their count, bytes, and what gzip and xz need for them (:func:`k3lit.train.reference_bpb.reference_bpb`)."""
     from k3lit.data import K3DataModule
     from k3lit.train.reference_bpb import reference_bpb
 
     data = yaml.safe_load((ROOT / recipe).read_text())["data"]
-    for arg in data_args(recipe, seq_len):
-        key, _, value = arg.removeprefix("--data.").partition("=")
-        data[key] = int(value)
-    dm = K3DataModule(**data)
+    dm = K3DataModule(**{**data, **data_overrides(recipe, seq_len)})
     blocks = batches * dm.batch_size
     return {"blocks": blocks, "seq_len": dm.seq_len, **reference_bpb(dm.prepared, dm.seq_len, blocks)}
 
