@@ -30,7 +30,8 @@ torch.serialization.add_safe_globals([ModelConfig, OptimConfig])
 class K3LitModule(L.LightningModule):
     """Trains a :class:`K3LM` on ``[B, T + 1]`` int64 token batches (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
-    Logs ``train/loss`` (nats per token), ``val/loss`` and ``val/bpb`` (bits per UTF-8 byte of the held-out
+    Logs ``train/loss`` (nats per token), ``train/grad_norm`` (the total gradient norm before clipping, with
+    ``gradient_clip_val`` and norm clipping), ``val/loss`` and ``val/bpb`` (bits per UTF-8 byte of the held-out
     text, so runs with different tokenizers compare) with ``val/elapsed_s`` (seconds since training started, as
     ``trainer.max_time`` counts them), and per MoE layer ``i``: ``train/max_vio/layer{i}``
     (MaxVio of each training batch), ``val/max_vio/layer{i}`` (MaxVio_global over the validation pass) and
@@ -207,34 +208,40 @@ class K3LitModule(L.LightningModule):
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Lightning's clipping, except in two cases that it gets wrong.
+        """Gradient clipping; with norm clipping, logs the total gradient norm before clipping as
+        ``train/grad_norm`` on logging steps (a 0-d device tensor: no host sync on the other steps).
 
         - Norm clipping over DTensor gradients on different meshes (expert and dense shards) goes through
           :func:`k3lit.parallel.clip_grad_norm_`.
-        - A fused optimizer (the fused AdamW that :meth:`OptimConfig.build` picks for plain CUDA parameters) under
-          Lightning's mixed precision without a gradient scaler (``bf16-mixed``): there is nothing to unscale, but
-          the plugin refuses any optimizer that unscales in its step (RuntimeError "does not allow for gradient
-          clipping"); torch's ``clip_grad_norm_`` / ``clip_grad_value_`` run here instead, as the plugin would
-          call them. Under ``16-mixed`` with clipping, :meth:`configure_optimizers` builds no fused AdamW.
+        - Norm clipping under Lightning's plain or mixed precision runs torch's ``clip_grad_norm_`` here, as the
+          plugin would (under ``16-mixed`` the scaler has unscaled the gradients before this hook), so that its
+          norm can be logged. That also covers the fused AdamW (which :meth:`OptimConfig.build` picks for plain
+          CUDA parameters) under ``bf16-mixed``, which the plugin refuses (RuntimeError "does not allow for
+          gradient clipping") although there is nothing to unscale; under ``16-mixed`` with clipping
+          :meth:`configure_optimizers` builds no fused AdamW.
+        - Value clipping with that fused AdamW under ``bf16-mixed``: torch's ``clip_grad_value_``, for the same
+          reason. Every other case is Lightning's.
         """
-        from lightning.pytorch.plugins.precision import MixedPrecision
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
         from torch.distributed.tensor import DTensor
 
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         algorithm = gradient_clip_algorithm or "norm"
         plugin = self.trainer.precision_plugin
+        norm = None
         if gradient_clip_val and algorithm == "norm" and any(isinstance(p, DTensor) for p in params):
             from k3lit.parallel import clip_grad_norm_
 
-            clip_grad_norm_(params, float(gradient_clip_val))
-        elif (gradient_clip_val and optimizer.defaults.get("fused") and isinstance(plugin, MixedPrecision)
-              and plugin.scaler is None):
-            if algorithm == "value":
-                torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
-            else:
-                torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
+            norm = clip_grad_norm_(params, float(gradient_clip_val))
+        elif gradient_clip_val and algorithm == "norm" and type(plugin) in (Precision, MixedPrecision):
+            norm = torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
+        elif (gradient_clip_val and algorithm == "value" and optimizer.defaults.get("fused")
+              and isinstance(plugin, MixedPrecision) and plugin.scaler is None):
+            torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if norm is not None and compat.should_update_logs(self.trainer):
+            self.log("train/grad_norm", norm)
 
     @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
