@@ -164,6 +164,9 @@ class K3CLI(LightningCLI):
                 f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data_vocab}: "
                 "remove model.vocab_size to take it from the data, or raise it"
             )
+        if model_cfg.document_masking and model_cfg.eos_id is None:  # recorded in the config.yaml saved beside the run
+            model_cfg = dataclasses.replace(model_cfg, eos_id=self.datamodule.eos_id)
+            (self.config[self.subcommand] if self.subcommand else self.config)["model.eos_id"] = model_cfg.eos_id
         # A sharding strategy gets a meta-device model: each rank materialises only its shards (configure_model)
         self.model = K3LitModule(model_cfg, self._value(self.config_init, "optim"),
                                  compile=self._value(self.config_init, "compile"),
@@ -406,9 +409,11 @@ def positions_main(argv: list[str]) -> None:
         if count < args.blocks:
             print(f"length {length:,}: the held-out split holds {count} blocks of {length + 1:,} tokens; using {count}")
         results.append(pos.evaluate_length(model, blocks, byte_table, edges, torch.bfloat16 if bf16 else None))
+    across = ("each document restarts KDA state and attention (document_masking)" if model.config.document_masking
+              else "KDA state and attention run across document boundaries within a block")
     print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "
           f"{prepared.root / 'val'}\n(packed documents joined by eos, read as blocks of length + 1 tokens in file "
-          "order; KDA state and attention run across document boundaries within a block, as in training)")
+          f"order; {across}, as in training)")
     print(pos.format_table(results))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

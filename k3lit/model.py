@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from k3lit.nn.attention import SoftmaxAttention
 from k3lit.nn.attn_res import AttnResMixer, BlockResidualStream, block_read
+from k3lit.nn.documents import Documents
 from k3lit.nn.kda import KimiDeltaAttention
 from k3lit.nn.mlp import SwiGLU
 from k3lit.nn.moe import CAPACITY_MODES, MoE
@@ -45,7 +46,8 @@ BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 # computed (recomputation, KDA implementation) and the balancers' training knobs. Every other field shapes the
 # parameters and buffers or what the trained weights compute, so it is taken from the checkpoint.
 RUNTIME_FIELDS = ("activation_checkpointing", "checkpoint_blocks", "kda_backend", "bias_update_rate", "aux_loss_coef",
-                  "capacity_factor", "capacity_mode", "quantile_rate", "balancer_sync_every")
+                  "capacity_factor", "capacity_mode", "quantile_rate", "balancer_sync_every", "document_masking",
+                  "eos_id")
 
 
 @dataclass
@@ -101,6 +103,11 @@ class ModelConfig:
             the memory and saves its recomputation (about F / (F + B) of its share of the step). None: every
             segment but the last. Must lie in ``[0, segments - 1]``, segments = ceil(2 n_layers /
             attnres_block_size).
+        document_masking: in the training forward (training, validation, ``k3lit positions``) a token sees only
+            its own document of the packed sequence: softmax attention masks the others, KDA's state and short
+            convolution restart at each document (:mod:`k3lit.nn.documents`). Off (default): they run across
+            document boundaries. Prefill and decoding take one document and are unaffected.
+        eos_id: the end-of-document token that ``document_masking`` splits at; None takes it from the data module.
         tie_embeddings: share the embedding and LM-head weights.
         norm_eps: RMSNorm epsilon.
         init_std: standard deviation of the normal weight init.
@@ -132,6 +139,8 @@ class ModelConfig:
     attnres_block_size: int = 4
     activation_checkpointing: str = "none"
     checkpoint_blocks: int | None = None
+    document_masking: bool = False
+    eos_id: int | None = None
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -145,6 +154,8 @@ class ModelConfig:
         for field in ("dim", "n_layers", "n_heads", "head_dim", "mlp_hidden"):
             if getattr(self, field) < 1:
                 raise bad(field, "must be a positive integer")
+        if self.eos_id is not None and not 0 <= self.eos_id < (self.vocab_size or self.eos_id + 1):
+            raise bad("eos_id", f"must be a token id in [0, vocab_size={self.vocab_size})")
         if self.rope_theta is not None and not (self.rope_theta > 0 and self.head_dim % 2 == 0):
             raise bad("rope_theta", f"rotary embeddings need a base > 0 and an even head_dim (got {self.head_dim}); "
                                     "None turns them off")
@@ -215,9 +226,11 @@ class Sublayer(nn.Module):
     def is_token_mixer(self) -> bool:
         return isinstance(self.op, KimiDeltaAttention | SoftmaxAttention)
 
-    def forward(self, h: torch.Tensor, state: Any = None, return_state: bool = False) -> tuple[torch.Tensor, Any]:
+    def forward(
+        self, h: torch.Tensor, state: Any = None, return_state: bool = False, docs: Documents | None = None
+    ) -> tuple[torch.Tensor, Any]:
         if self.is_token_mixer:
-            return self.op(self.norm(h), state, return_state)
+            return self.op(self.norm(h), state, return_state, docs)
         return self.op(self.norm(h)), None
 
 
@@ -340,15 +353,28 @@ class K3LM(nn.Module):
         if return_state or states is not None:  # prefill / decoding: no recomputation, states threaded through
             h, new_states = self._forward_with_states(x, states or [None] * len(self.sublayers))
         else:
-            h, new_states = self._forward_train(x), None
+            h, new_states = self._forward_train(x, self.documents(idx)), None
         return self.lm_head(self.norm(h)), new_states  # [B, T, vocab]
+
+    def documents(self, idx: torch.Tensor) -> Documents | None:
+        """The documents of ``idx [B, T]`` under ``document_masking`` (None without it).
+
+        Raises:
+            ValueError: ``document_masking`` without an ``eos_id``.
+        """
+        if not self.config.document_masking:
+            return None
+        if self.config.eos_id is None:
+            raise ValueError("ModelConfig.document_masking needs eos_id: set model.eos_id, or let the data module "
+                             "provide it (k3lit fit does)")
+        return Documents.from_tokens(idx, self.config.eos_id)
 
     def final_hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """The LM head's input for ``idx`` (int64 ``[B, T]``): the final normalised hidden states ``[B, T, dim]`` of
         the training forward (no states), so that ``forward(idx)[0] == lm_head(final_hidden(idx))``. For callers
         that apply the head to a few positions at a time (a long sequence's ``[T, vocab]`` logits at once may not
         fit in memory)."""
-        return self.norm(self._forward_train(self.embed(idx)))
+        return self.norm(self._forward_train(self.embed(idx), self.documents(idx)))
 
     def _forward_with_states(self, x: torch.Tensor, states: list[Any]) -> tuple[torch.Tensor, list[Any]]:
         new_states = []
@@ -369,7 +395,7 @@ class K3LM(nn.Module):
             new_states.append(st)
         return self.final_res_mixer.mix(stream.sources()), new_states
 
-    def _forward_train(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_train(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         """Training forward in segments of ``attnres_block_size`` sublayers (one residual block for
         block_attnres). The segmentation is the same under every checkpoint policy, and so is the autograd
         graph's grouping of gradient sums: a segment's inputs receive the sum of the segment's own
@@ -387,14 +413,14 @@ class K3LM(nn.Module):
         if self.config.residual == "plain":
             h = x
             for seg, run in zip(segments, runs):
-                (h,) = run(partial(_plain_segment, seg, per_sublayer), h)
+                (h,) = run(partial(_plain_segment, seg, per_sublayer, docs), h)
             return h
         # Only the residual state crosses a segment boundary: the block summaries and the partial sum; for
         # block_attnres a segment is exactly one block, so that is the summaries alone.
         eps, size = self.config.norm_eps, self.block_size
         blocks, part, n_in = [x], None, 0
         for seg, run in zip(segments, runs):
-            fn = partial(_attnres_segment, seg, size, eps, n_in, part is not None, per_sublayer)
+            fn = partial(_attnres_segment, seg, size, eps, n_in, part is not None, per_sublayer, docs)
             out = run(fn, *blocks, *([part] if part is not None else []))
             closed = (n_in + len(seg)) // size
             blocks += list(out[:closed])
@@ -559,16 +585,17 @@ def _checkpointed_segment(mode: str, fn: Any, *args: torch.Tensor) -> tuple[torc
     return _checkpointed(mode, fn, *_Group.apply(*args))
 
 
-def _plain_segment(subs: list[Sublayer], per_sublayer: Any, h: torch.Tensor) -> tuple[torch.Tensor]:
+def _plain_segment(subs: list[Sublayer], per_sublayer: Any, docs: Documents | None, h: torch.Tensor
+                   ) -> tuple[torch.Tensor]:
     for sub in subs:
-        out = per_sublayer(lambda t, sub=sub: sub(t)[0], h) if per_sublayer else sub(h)[0]
+        out = per_sublayer(lambda t, sub=sub: sub(t, docs=docs)[0], h) if per_sublayer else sub(h, docs=docs)[0]
         h = h + out
     return (h,)
 
 
-def _read_and_apply(sub: Sublayer, eps: float, *read: torch.Tensor) -> torch.Tensor:
+def _read_and_apply(sub: Sublayer, eps: float, docs: Documents | None, *read: torch.Tensor) -> torch.Tensor:
     """``sub``'s output from its two-phase read (:meth:`BlockResidualStream.reads`)."""
-    return sub(block_read(eps, *read))[0]
+    return sub(block_read(eps, *read), docs=docs)[0]
 
 
 def _attnres_segment(
@@ -578,6 +605,7 @@ def _attnres_segment(
     n_in_block: int,
     has_partial: bool,
     per_sublayer: Any,
+    docs: Documents | None,
     *state: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """Run consecutive sublayers from a residual state ``(*blocks, partial?)``; return the blocks they closed
@@ -586,9 +614,9 @@ def _attnres_segment(
     stream = BlockResidualStream(blocks, block_size, eps, state[-1] if has_partial else None, n_in_block)
     for sub, read in zip(subs, stream.reads([s.res_mixer for s in subs])):
         if per_sublayer:
-            stream.add(per_sublayer(partial(_read_and_apply, sub, eps), *read))
+            stream.add(per_sublayer(partial(_read_and_apply, sub, eps, docs), *read))
         else:
-            stream.add(_read_and_apply(sub, eps, *read))
+            stream.add(_read_and_apply(sub, eps, docs, *read))
     return tuple(stream.blocks[len(blocks) :]) + ((stream.partial,) if stream.partial is not None else ())
 
 

@@ -386,3 +386,14 @@ def test_resume_from_an_empty_folder_starts_from_scratch_and_says_where_it_looke
     messages = [str(w.message) for w in recwarn]
     assert any("no last.ckpt in" in m and str(tmp_path / "checkpoints") in m for m in messages)
     assert not any("save_last=True" in m for m in messages)
+
+
+def test_document_masking_takes_the_eos_id_from_the_data(tmp_path, cache, monkeypatch):
+    """``--model.document_masking=true`` trains with the tokenizer's end-of-document id (byte: 256), recorded in the
+    saved config; the model's documents split there."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    cli = K3CLI(args=fit_args(tmp_path, cache, 3)[1:] + ["--model.document_masking=true"], run=False)
+    assert cli.model.model.config.eos_id == 256
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 3
+    assert "eos_id: 256" in (tmp_path / "config.yaml").read_text()

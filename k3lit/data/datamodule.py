@@ -26,7 +26,14 @@ from litdata.streaming.item_loader import TokensLoader
 
 from k3lit.data.corpus import Split
 from k3lit.data.prepare import PreparedCorpus, prepare_corpus
-from k3lit.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, parse_tokenizer_spec, spec_vocab_size
+from k3lit.data.tokenizer import (
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    parse_tokenizer_spec,
+    spec_eos_id,
+    spec_vocab_size,
+)
 
 
 def tokenizer_from_state(state: dict) -> Tokenizer:
@@ -129,6 +136,11 @@ class K3DataModule(L.LightningDataModule):
     def vocab_size(self) -> int:
         """Embedding size the model needs: 257 for ``byte``, N for ``bpe:N``, max id + 1 for a JSON file."""
         return self._vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document id that joins documents in the token stream (:func:`spec_eos_id`)."""
+        return spec_eos_id(self.tokenizer_spec)
 
     # -- things that need the prepared corpus --------------------------------------------------------------
     @property

@@ -278,6 +278,22 @@ def spec_vocab_size(spec: str) -> int:
     return HFTokenizer(str(arg)).vocab_size
 
 
+def spec_eos_id(spec: str) -> int:
+    """End-of-document id of ``spec``, known without preparing any data: ``byte``: 256; ``bpe:N``: 0 (:func:`train_bpe`
+    puts :data:`EOS_TOKEN` first); a JSON file: read from it.
+
+    Raises:
+        ValueError: bad spec (see :func:`parse_tokenizer_spec`), or a JSON file without an end-of-document token.
+        FileNotFoundError: the JSON file does not exist.
+    """
+    kind, arg = parse_tokenizer_spec(spec)
+    if kind == "byte":
+        return ByteTokenizer().eos_id
+    if kind == "bpe":
+        return 0
+    return HFTokenizer(str(arg)).eos_id
+
+
 def load_tokenizer(
     spec: str,
     bpe_path: str | os.PathLike | None = None,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3lit.nn.documents import Documents
 from k3lit.nn.norm import RMSNorm
 from k3lit.ops.rope import rotary
 
@@ -32,8 +33,14 @@ class SoftmaxAttention(nn.Module):
         norm_eps: epsilon of the q and k RMSNorms.
         rope_theta: None (NoPE) or the rotary frequency base (:func:`k3lit.ops.rope.rotary`).
 
-    ``forward(x [B, T, D], cache: KVCache | None, return_state) -> (y [B, T, D], KVCache | None)``.
-    With a cache, the new tokens attend to every cached token and causally among themselves.
+    ``forward(x [B, T, D], cache: KVCache | None, return_state, docs) -> (y [B, T, D], KVCache | None)``.
+    With a cache, the new tokens attend to every cached token and causally among themselves. With ``docs``
+    (:class:`~k3lit.nn.documents.Documents` of the batch) a token attends only to its own document
+    (:meth:`~k3lit.nn.documents.Documents.attention_mask`; rotary angles stay those of the sequence position,
+    which changes no logit, as they depend on the distance only).
+
+    Raises:
+        ValueError: ``forward`` with ``docs`` and a cache or ``return_state``.
     """
 
     def __init__(
@@ -47,9 +54,11 @@ class SoftmaxAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, return_state: bool = False
+        self, x: torch.Tensor, cache: KVCache | None = None, return_state: bool = False, docs: Documents | None = None
     ) -> tuple[torch.Tensor, KVCache | None]:
         B, T, _ = x.shape
+        if docs is not None and (cache is not None or return_state):
+            raise ValueError("SoftmaxAttention: document masking is for training and scoring; decoding takes no docs")
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)  # QK-norm keeps NoPE logits bounded
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
@@ -60,7 +69,9 @@ class SoftmaxAttention(nn.Module):
             k = torch.cat([cache.k, k], dim=2)
             v = torch.cat([cache.v, v], dim=2)
         t_past = k.shape[2] - T
-        if t_past == 0:
+        if docs is not None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.attention_mask())
+        elif t_past == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # new token i sees all cached tokens and new tokens j <= i
             mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=t_past)

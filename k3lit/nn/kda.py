@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from k3lit.nn.documents import Documents
 from k3lit.nn.norm import RMSNorm
 from k3lit.nn.short_conv import ShortConvolution
 from k3lit.ops.kda import check_gate_bound, kda, kda_step, largest_safe_chunk
@@ -36,11 +37,15 @@ class KimiDeltaAttention(nn.Module):
         backend: KDA op backend (``"auto"``, ``"torch"``, ``"triton"``, ``"reference"``); ``auto`` and
             ``triton`` also select the Triton short convolution.
 
-    ``forward(x [B, T, D], state: KDAState | None) -> (y [B, T, D], KDAState | None)``; the state is returned
-    when one is passed in or ``return_state=True`` (prefill and decoding).
+    ``forward(x [B, T, D], state: KDAState | None, return_state, docs) -> (y [B, T, D], KDAState | None)``; the
+    state is returned when one is passed in or ``return_state=True`` (prefill and decoding). With ``docs``
+    (:class:`~k3lit.nn.documents.Documents` of the batch) every document starts from a zero state: the batch goes
+    through the op as one packed sequence with ``docs.cu_seqlens``, and the short convolution reads no earlier
+    document.
 
     Raises:
-        ValueError: when g_min is not negative or too strong for any safe chunk size.
+        ValueError: when g_min is not negative or too strong for any safe chunk size; ``forward`` with ``docs``
+            and a state or ``return_state``.
     """
 
     def __init__(
@@ -75,12 +80,15 @@ class KimiDeltaAttention(nn.Module):
         nn.init.zeros_(self.gate_bias)
 
     def forward(
-        self, x: torch.Tensor, state: KDAState | None = None, return_state: bool = False
+        self, x: torch.Tensor, state: KDAState | None = None, return_state: bool = False, docs: Documents | None = None
     ) -> tuple[torch.Tensor, KDAState | None]:
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         want_state = return_state or state is not None
-        qkv, conv = self.qkv_conv(self.qkv_proj(x), None if state is None else state.conv)
+        if docs is not None and want_state:
+            raise ValueError("KimiDeltaAttention: document masking is for training and scoring; decoding takes no docs")
+        qkv, conv = self.qkv_conv(self.qkv_proj(x), None if state is None else state.conv,
+                                  None if docs is None else docs.pos)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # [B, T, H, K] each
         b_logit, f_low, o_low = self.down_proj(x).split([H, K, K], dim=-1)
         beta = torch.sigmoid(b_logit.to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
@@ -91,6 +99,10 @@ class KimiDeltaAttention(nn.Module):
         h0 = None if state is None else state.recurrent
         if T == 1 and state is not None:  # decoding: one recurrent step (fused Triton kernel on CUDA)
             o, h = kda_step(q, k, v, e, beta, h0, backend=self.backend, **fused)
+        elif docs is not None:  # the batch as one packed sequence of its documents
+            packed = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v.contiguous(), e, beta))
+            o, h = kda(*packed, None, None, False, docs.cu_seqlens, backend=self.backend, **fused)
+            o = o.view(B, T, H, K)
         else:
             o, h = kda(q, k, v.contiguous(), e, beta, None, h0, want_state, backend=self.backend, **fused)
         o = self.o_norm(o) * torch.sigmoid(self.o_up(o_low)).view(B, T, H, K)

@@ -17,10 +17,17 @@ class ShortConvolution(nn.Module):
         width: kernel width W (Kimi Linear uses 4).
         backend: ``auto`` (the Triton kernel ``k3lit.kernels.short_conv`` on CUDA, ``F.conv1d`` elsewhere),
             ``triton`` (the kernel wherever Triton runs, e.g. on CPU under ``TRITON_INTERPRET=1``) or ``torch``.
-            With a decoding state the ``F.conv1d`` form always runs (one token at a time).
+            With a decoding state the ``F.conv1d`` form always runs (one token at a time), and with document
+            positions the masked PyTorch form.
 
-    ``forward(x [B, T, C], state [B, C, W - 1] | None) -> (y [B, T, C], new_state [B, C, W - 1])``: the
-    state holds the last W - 1 inputs, so decoding one token at a time equals one pass over the sequence.
+    ``forward(x [B, T, C], state [B, C, W - 1] | None, pos [B, T] | None) -> (y [B, T, C], new_state
+    [B, C, W - 1])``: the state holds the last W - 1 inputs, so decoding one token at a time equals one pass over
+    the sequence. With ``pos`` (int64, each token's position in its document, :class:`k3lit.nn.documents.Documents`)
+    the tap that reads ``d`` tokens back counts only where ``pos >= d``: ``y_t = silu(Σ_d w_d x_{t-d} [pos_t >= d])``,
+    no input of an earlier document (training and scoring only: no state with it).
+
+    Raises:
+        ValueError: ``pos`` together with a state.
     """
 
     def __init__(self, channels: int, width: int = 4, backend: str = "auto") -> None:
@@ -41,8 +48,14 @@ class ShortConvolution(nn.Module):
             return False
         return self.backend == "triton" or (x.is_cuda and triton_available())
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, state: torch.Tensor | None = None, pos: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
+        if pos is not None:
+            if state is not None:
+                raise ValueError("ShortConvolution: document positions (pos) are for whole sequences; pass no state")
+            return self._masked(x, pos)
         if self._use_triton(x, state):
             from k3lit.kernels.short_conv import short_conv_silu_triton  # lazy: Triton only where it runs
 
@@ -56,3 +69,15 @@ class ShortConvolution(nn.Module):
         x = torch.cat([past, x], dim=-1)  # [B, C, W - 1 + T]
         y = F.conv1d(x, self.weight.to(x.dtype), groups=C)  # [B, C, T]
         return F.silu(y).transpose(1, 2), x[..., -(self.width - 1) :]
+
+    def _masked(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolution with taps across a document start zeroed (``forward``'s ``pos``), one shifted product per
+        tap, in x's dtype."""
+        T, W = x.shape[1], self.width
+        w = self.weight[:, 0].to(x.dtype)  # [C, W]; tap j reads d = W - 1 - j tokens back
+        y = x * w[:, W - 1]
+        for d in range(1, min(W, T + 1)):
+            shifted = F.pad(x[:, : T - d], (0, 0, d, 0))  # x_{t-d}, zero before the sequence
+            y = y + shifted * w[:, W - 1 - d] * (pos >= d).unsqueeze(-1).to(x.dtype)
+        tail = F.pad(x[:, -(W - 1) :], (0, 0, max(W - 1 - T, 0), 0))
+        return F.silu(y), tail.transpose(1, 2)

@@ -4,7 +4,9 @@ token is, at sequence lengths up to and beyond the one it trained on (length ext
 A prepared held-out split is a packed token stream: its documents joined by the tokenizer's eos token
 (:mod:`k3lit.data.prepare`). It is read as contiguous blocks of ``L + 1`` tokens in file order with litdata's
 ``TokensLoader``, as validation reads blocks of ``seq_len + 1``, so a block spans document boundaries, and KDA's
-recurrent state and the softmax attention run across them within a block, as in training. Each block is one
+recurrent state and the softmax attention run across them within a block, as in training (a model trained with
+``document_masking`` restarts both at every document, as it did in training; its buckets then count positions in
+the block, not in the document). Each block is one
 forward of its first ``L`` tokens (batch 1, no state carried from one block to the next); the target of position
 ``t`` (0-based) is token ``t + 1``. Positions fall into buckets ``[e_i, e_{i+1})`` with edges ``0, B, 2B, 4B, ...``
 (:func:`bucket_edges`; ``B`` defaults to the training ``seq_len``), and each bucket's bits per byte, summed over
