@@ -24,7 +24,8 @@ def chunk_meta(
     (``cu_seqlens`` None) it is built without reading device memory and cached per (B, T, C, device, stream):
     the tensors are shared by every call with that key, so callers must only read them. During CUDA graph
     capture it is built afresh (a table made inside a capture holds its values only when the graph replays);
-    for a packed batch it reads the lengths.
+    for a packed batch it reads the lengths, once for a given ``cu_seqlens`` tensor (the latest one's tables are
+    kept, :data:`_packed_cache`).
     """
     if cu_seqlens is None:
         if device.type != "cuda":
@@ -32,6 +33,27 @@ def chunk_meta(
         if torch.cuda.is_current_stream_capturing():
             return _dense_meta.__wrapped__(B, T, C, device, 0)
         return _dense_meta(B, T, C, device, torch.cuda.current_stream(device).cuda_stream)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (cu_seqlens.data_ptr(), cu_seqlens._version, cu_seqlens.numel(), C, device, stream)
+    if not capturing and _packed_cache and _packed_cache[0][0] == key:
+        return _packed_cache[0][2]
+    meta = _packed_meta(cu_seqlens, C, device)
+    if not capturing:  # the tensor stays referenced, so no other tensor can take its address while it is cached
+        _packed_cache[:] = [(key, cu_seqlens, meta)]
+    return meta
+
+
+#: The latest packed batch's tables, ``[(key, cu_seqlens, meta)]``: every KDA layer of a forward and backward gets the
+#: same ``cu_seqlens`` (:class:`k3lit.nn.documents.Documents`), so the lengths are read back to the host once a step
+#: instead of once a call. The key holds the tensor's address and version counter (an in-place change misses) and,
+#: as for dense batches, the stream.
+_packed_cache: list[tuple[tuple, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]] = []
+
+
+def _packed_meta(cu_seqlens: torch.Tensor, C: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_meta` of a packed batch, from its lengths (one read back to the host)."""
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     n_chunks = (cu[1:] - cu[:-1] + C - 1) // C
     off = torch.cat([n_chunks.new_zeros(1), n_chunks.cumsum(0)]).to(torch.int32)
