@@ -7,6 +7,7 @@ from k3lit.data.tokenizer import (
     HFTokenizer,
     load_tokenizer,
     parse_tokenizer_spec,
+    spec_eos_id,
     spec_vocab_size,
     train_bpe,
 )
@@ -51,6 +52,9 @@ def test_load_tokenizer_specs(tmp_path):
     assert cached.fingerprint() == trained.fingerprint()
     assert load_tokenizer(str(path)).encode("def x") == trained.encode("def x")
     assert spec_vocab_size("byte") == 257 and spec_vocab_size("bpe:4096") == 4096
+    # the end-of-document id, known before training, is the one the trained tokenizer has
+    assert spec_eos_id("bpe:300") == trained.eos_id and spec_eos_id(str(path)) == trained.eos_id
+    assert spec_eos_id("byte") == ByteTokenizer().eos_id
 
 
 @pytest.mark.parametrize(
