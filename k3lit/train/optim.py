@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3lit.train.newton_schulz import NS_COEFFICIENTS, orthogonalized_updates
+
 OPTIMIZERS = ("adamw", "muon")
-NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz iteration of torch.optim.Muon
-MUON_LR_RULE = "match_rms_adamw"  # update scaled by 0.2 sqrt(max(A, B)): AdamW's lr and weight decay carry over
+__all__ = ["NS_COEFFICIENTS", "OPTIMIZERS", "MuonAdamW", "OptimConfig", "muon_matrices"]
 
 
 @dataclass
@@ -242,52 +243,31 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._adamw.step()
-        for group in self.param_groups:
-            if group["muon"]:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._muon_step(p, group)
+        self._muon_steps([g for g in self.param_groups if g["muon"]])
         return loss
 
-    def _muon_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        buf, momentum = state["momentum_buffer"], group["momentum"]
-        buf.lerp_(p.grad, 1 - momentum)
-        nesterov = p.grad.lerp(buf, momentum)
-        full = nesterov.full_tensor() if isinstance(nesterov, DTensor) else nesterov
-        lr = float(group["lr"])
-        update = orthogonalized_update(full, group["split_dim"], group["split_sizes"], group["ns_steps"], lr)
-        if isinstance(p, DTensor):  # every rank holds the same full update: keep this rank's shard, no exchange
-            update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
-        p.mul_(1 - lr * group["weight_decay"])
-        p.sub_(update)
-
-
-def orthogonalized_update(
-    u: torch.Tensor, split_dim: int, split_sizes: list[int], ns_steps: int, lr: float
-) -> torch.Tensor:
-    """``lr`` times the RMS-matched orthogonalisation of every block of ``u``.
-
-    Args:
-        u: ``[..., A, C]`` Nesterov momentum of one parameter (a plain tensor; leading dims index experts).
-        split_dim: -2 or -1, the dim along which the blocks lie.
-        split_sizes: block widths along ``split_dim`` (summing to its size).
-        ns_steps: Newton-Schulz iterations.
-        lr: learning rate (before the per-block ``0.2 sqrt(max(a, c))`` factor).
-
-    Returns:
-        A tensor of ``u``'s shape and dtype: per block ``b`` (``[a, c]``) ``lr 0.2 sqrt(max(a, c)) NS(b)``.
-    """
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch.optim.Muon's own steps
-
-    out = torch.empty_like(u)
-    for src, dst in zip(u.split(split_sizes, split_dim), out.split(split_sizes, split_dim), strict=True):
-        for b, o in zip(src.reshape(-1, *src.shape[-2:]), dst.view(-1, *dst.shape[-2:]), strict=True):
-            ortho = _zeropower_via_newtonschulz(b, NS_COEFFICIENTS, ns_steps, 1e-7)
-            o.copy_(ortho.to(u.dtype) * _adjust_lr(lr, MUON_LR_RULE, b.shape))
-    return out
+    def _muon_steps(self, groups: list[dict[str, Any]]) -> None:
+        """Momentum, Nesterov update and decay per parameter; the orthogonalisation of every block of every
+        parameter batched by block shape (:func:`~k3lit.train.newton_schulz.orthogonalized_updates`)."""
+        params, updates = [], []
+        for group in groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf, momentum = state["momentum_buffer"], group["momentum"]
+                buf.lerp_(p.grad, 1 - momentum)
+                nesterov = p.grad.lerp(buf, momentum)
+                full = nesterov.full_tensor() if isinstance(nesterov, DTensor) else nesterov
+                params.append((p, group))
+                updates.append((full, group["split_dim"], group["split_sizes"], float(group["lr"]), group["ns_steps"]))
+        for (p, group), update in zip(params, orthogonalized_updates(updates), strict=True):
+            if isinstance(p, DTensor):  # every rank holds the same full update: keep this rank's shard, no exchange
+                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - float(group["lr"]) * group["weight_decay"])
+            p.sub_(update)
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
