@@ -39,6 +39,7 @@ from benchmarks.results import versions, write_section  # noqa: E402
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
 from k3lit.nn.moe import update_balancers  # noqa: E402
 from k3lit.train.flops import active_matmul_params, peak_flops, training_flops  # noqa: E402
+from k3lit.train.optim import OptimConfig  # noqa: E402
 
 
 def recipe_config(recipe: Path, vocab: int | None) -> tuple[ModelConfig, dict]:
@@ -150,9 +151,14 @@ def build_litgpt(device: str, compile_: str, seq: int) -> tuple[torch.nn.Module,
     return model, cfg.padded_vocab_size, 6.0 * matmul + attention
 
 
-def make_step(model: torch.nn.Module, device: str):
-    """One optimizer step as ``trainer.precision=bf16-mixed`` runs it: ``step(tokens [B, T+1]) -> loss``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
+def make_step(model: torch.nn.Module, device: str, optim: str = "adamw"):
+    """One optimizer step as ``trainer.precision=bf16-mixed`` runs it: ``step(tokens [B, T+1]) -> loss``.
+    ``optim``: ``adamw`` (torch's fused AdamW on every parameter) or ``muon`` (``k3lit fit``'s ``optim.name=muon``
+    optimizer: Muon on the hidden matrices, the fused AdamW on the rest)."""
+    if optim == "muon":
+        opt = OptimConfig(name="muon", lr=3e-4).build(model, math.inf)[0]
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     amp = torch.autocast(device_type=device, dtype=torch.bfloat16)
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
@@ -188,7 +194,8 @@ def host_ms_per_step(step, batches: list[torch.Tensor], n: int, device: str) -> 
     return statistics.median(times)
 
 
-def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: str) -> dict:
+def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: str,
+          optim: str = "adamw") -> dict:
     """Time ``steps`` optimizer steps of model ``c`` (a ModelConfig, or ``"litgpt"``) after ``warmup`` steps on one
     fixed batch (whose loss must fall)."""
     torch._dynamo.reset()  # compiled code of earlier rows shares code objects (and recompile limits) with this one
@@ -199,7 +206,7 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
         model, vocab = build_model(c, device, compile_), c.vocab_size
         flops_per_token, active = training_flops(c, batch, seq) / (batch * seq), active_matmul_params(c) / 1e6
     n_params = sum(p.numel() for p in model.parameters())
-    step = make_step(model, device)
+    step = make_step(model, device, optim)
     x = torch.randint(0, vocab, (batch, seq + 1), device=device)
 
     t0 = time.perf_counter()
@@ -281,7 +288,9 @@ def table(result: dict) -> str:
         f"Written by `benchmarks/throughput.py`. Date {env['date']}, {env['device']}, torch {env['torch']}, "
         f"triton {env['triton']}; `{result.get('command', '')}`. Every row in one process: batch {result['batch']} x "
         f"{result['seq']} tokens of the recipe `{result['recipe']}` (other recipes: their own batch), bf16 autocast "
-        "with float32 weights (= `precision: bf16-mixed`), fused AdamW, clipping, balancer update, synthetic tokens, "
+        "with float32 weights (= `precision: bf16-mixed`), "
+        f"{'Muon with the fused AdamW' if result.get('optim') == 'muon' else 'fused AdamW'}, clipping, balancer "
+        "update, synthetic tokens, "
         f"{result['steps']} timed steps after {result['warmup']} warm-up steps. compile: `none` eager, `sublayers` "
         "`torch.compile` per sublayer, `model` the whole model as one region (`k3lit fit`'s default on one GPU), "
         "`cudagraphs` the same with CUDA graphs (`--compile_mode=reduce-overhead`). MFU = "
@@ -322,6 +331,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="default: the recipe's data.batch_size")
     p.add_argument("--seq", type=int, help="default: the recipe's data.seq_len")
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--optim", choices=["adamw", "muon"], default="adamw", help="every row's optimizer (make_step)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kda_backend", help="override model.kda_backend (auto = Triton on CUDA)")
     p.add_argument("--compile", default="none", help=f"comma-separated, each of {COMPILE}: every row with each")
@@ -348,7 +358,7 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     result = {"recipe": a.recipe, "batch": batch, "seq": seq, "steps": a.steps, "warmup": a.warmup,
               "kda_backend": cfg.kda_backend, "env": versions(), "command": " ".join(["python", *sys.argv]),
-              "rows": {}, "note": a.note}
+              "rows": {}, "note": a.note, "optim": a.optim}
     plain = recipe_config(Path(a.plain_recipe), cfg.vocab_size)[0] if a.plain_recipe else None
     jobs = [(name, c, batch, seq) for name, c in rows(cfg, Path(a.recipe).stem, a.rows.split(","), plain).items()]
     jobs += [(*variant(cfg, spec), batch, seq) for spec in a.variant]
@@ -360,7 +370,7 @@ def main() -> None:
     for compile_ in result["compile"]:
         for name, c, b, t in jobs:
             try:
-                r = bench(c, b, t, a.warmup, a.steps, a.device, compile_)
+                r = bench(c, b, t, a.warmup, a.steps, a.device, compile_, a.optim)
             except torch.OutOfMemoryError:
                 r = {"oom": True}
             result["rows"].setdefault(name, {})[compile_] = r

@@ -56,6 +56,7 @@ from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import K3LM, RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
+from k3lit.train.garbage import GarbageCollection
 from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
 from k3lit.train.checkpoint_background import BackgroundCheckpointIO
 from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
@@ -262,7 +263,7 @@ class K3CLI(LightningCLI):
                                             train_time_interval=timedelta(seconds=seconds) if seconds else None))
         if not any(isinstance(c, ExpertLoadPlots) for c in callbacks):  # writes nothing for a model without MoE
             callbacks.append(ExpertLoadPlots(None if seconds else every))  # None: at each validation
-        for kind in (K3ThroughputMonitor, SlurmRequeue, RunSummary, KernelPrecompile):
+        for kind in (K3ThroughputMonitor, SlurmRequeue, RunSummary, KernelPrecompile, GarbageCollection):
             if not any(isinstance(c, kind) for c in callbacks):
                 callbacks.append(kind())
         if cfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in callbacks):

@@ -63,8 +63,11 @@ def orthogonalized_updates(updates: list[tuple[torch.Tensor, int, list[int], flo
             a, c = src.shape[-2:]
             key = (a, c, lr * 0.2 * math.sqrt(max(a, c)), u.dtype, steps)
             groups[key].append((src.reshape(-1, a, c), dst.view(-1, a, c)))
+    dsts, ys = [], []
     for (_, _, scale, dtype, steps), pieces in groups.items():  # scaled in the parameter's dtype, as torch's Muon does
         ortho = newton_schulz(torch.cat([src for src, _ in pieces]), steps).to(dtype).mul_(scale)
-        for (_, dst), y in zip(pieces, ortho.split([dst.shape[0] for _, dst in pieces]), strict=True):
-            dst.copy_(y)
+        dsts += [dst for _, dst in pieces]
+        ys += ortho.split([dst.shape[0] for _, dst in pieces])
+    if dsts:
+        torch._foreach_copy_(dsts, ys)
     return outs

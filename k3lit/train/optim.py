@@ -247,27 +247,30 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_steps(self, groups: list[dict[str, Any]]) -> None:
-        """Momentum, Nesterov update and decay per parameter; the orthogonalisation of every block of every
-        parameter batched by block shape (:func:`~k3lit.train.newton_schulz.orthogonalized_updates`)."""
-        params, updates = [], []
-        for group in groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf, momentum = state["momentum_buffer"], group["momentum"]
-                buf.lerp_(p.grad, 1 - momentum)
-                nesterov = p.grad.lerp(buf, momentum)
-                full = nesterov.full_tensor() if isinstance(nesterov, DTensor) else nesterov
-                params.append((p, group))
-                updates.append((full, group["split_dim"], group["split_sizes"], float(group["lr"]), group["ns_steps"]))
-        for (p, group), update in zip(params, orthogonalized_updates(updates), strict=True):
-            if isinstance(p, DTensor):  # every rank holds the same full update: keep this rank's shard, no exchange
-                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - float(group["lr"]) * group["weight_decay"])
-            p.sub_(update)
+        """Momentum, Nesterov update and decay of every Muon parameter by multi-tensor (``foreach``) ops, one per
+        distinct momentum or decay; the orthogonalisation of every block batched by block shape
+        (:func:`~k3lit.train.newton_schulz.orthogonalized_updates`)."""
+        entries = [(p, g) for g in groups for p in g["params"] if p.grad is not None]
+        for p, _ in entries:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        nesterov: dict[torch.Tensor, torch.Tensor] = {}
+        for momentum in {g["momentum"] for _, g in entries}:
+            ps = [p for p, g in entries if g["momentum"] == momentum]
+            grads, bufs = [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps]
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            nesterov.update(zip(ps, torch._foreach_lerp(grads, bufs, momentum), strict=True))
+        updates = orthogonalized_updates([
+            (nesterov[p].full_tensor() if isinstance(p, DTensor) else nesterov[p], g["split_dim"], g["split_sizes"],
+             float(g["lr"]), g["ns_steps"]) for p, g in entries])
+        # every rank holds the same full update of a DTensor parameter: it keeps its own shard, no exchange
+        updates = [distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor)
+                   else u for (p, _), u in zip(entries, updates, strict=True)]
+        for decay in {1 - float(g["lr"]) * g["weight_decay"] for _, g in entries}:
+            sel = [(p, u) for (p, g), u in zip(entries, updates, strict=True)
+                   if 1 - float(g["lr"]) * g["weight_decay"] == decay]
+            torch._foreach_mul_([p for p, _ in sel], decay)
+            torch._foreach_sub_([p for p, _ in sel], [u for _, u in sel])
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
