@@ -106,13 +106,13 @@ def _table(events: list, key: str, steps: int, rows: int, device_col: bool) -> s
 
 
 def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int, trace: str | None,
-                   compile_: str = "none") -> dict:
-    """Time, count and profile ``steps`` optimizer steps of ``cfg`` (``compile_`` as ``benchmarks/throughput.py``
-    takes it; compiled steps are not op-counted: a dispatch mode would change what dynamo traces); returns the
-    summary and the text tables."""
+                   compile_: str = "none", optim: str = "adamw") -> dict:
+    """Time, count and profile ``steps`` optimizer steps of ``cfg`` (``compile_`` and ``optim`` as
+    ``benchmarks/throughput.py`` takes them; compiled steps are not op-counted: a dispatch mode would change what
+    dynamo traces); returns the summary and the text tables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(cfg, device, compile_)
-    step = make_step(model, device)
+    step = make_step(model, device, optim)
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     for _ in range(3):  # compile kernels, prime the allocator
         step(x)
@@ -237,6 +237,7 @@ def main() -> None:
     p.add_argument("--out", help="folder for the full tables and summary.json")
     p.add_argument("--trace", help="also write a Chrome trace here (the last configuration's)")
     p.add_argument("--compile", choices=COMPILE, default="none", help="as benchmarks/throughput.py's --compile")
+    p.add_argument("--optim", choices=["adamw", "muon"], default="adamw", help="as benchmarks/throughput.py's --optim")
     a = p.parse_args()
     if a.size:
         spec = SIZES[a.size]
@@ -251,7 +252,7 @@ def main() -> None:
     summaries = []
     for over in grid(a.grid):
         cfg = dataclasses.replace(base, **over)
-        r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace, a.compile)
+        r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace, a.compile, a.optim)
         print(headline(r["summary"], batch, seq), r["short"], "", sep="\n", flush=True)
         if out:
             name = "_".join(f"{k}-{v}" for k, v in over.items()) or "config"
