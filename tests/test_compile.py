@@ -106,3 +106,41 @@ def test_validation_runs_the_compiled_model_eagerly():
     assert frames.frame_count == 0 and module.val_loss.compute().isfinite()
     module.training_step(batch, 0)
     assert frames.frame_count > 0  # the same compiled model: training traces it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+@pytest.mark.parametrize("scope", ["model", "sublayers"])
+def test_gpu_kda_model_trains_under_cuda_graphs(scope):
+    """A K3 model (KDA on the Triton kernels, softmax attention, MoE with quantile balancing, block AttnRes)
+    replayed as CUDA graphs (``mode="reduce-overhead"``) takes the same training steps as compiled without them:
+    the same inductor kernels and Triton launches, so the same losses and weights to float32 rounding."""
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=4, layer_pattern="KKKA", n_heads=2, head_dim=32,
+                      mlp_hidden=96, n_experts=4, top_k=2, expert_dim=32, n_shared_experts=1, attnres_block_size=2)
+    torch.manual_seed(0)
+    base = K3LM(cfg).cuda()
+    x = torch.randint(0, 64, (2, 129), generator=torch.Generator().manual_seed(1)).cuda()
+    runs = {}
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if scope == "model":
+            model.compile(mode=mode)
+        else:
+            model.compile_sublayers(mode=mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(4):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(x[:, :-1])[0]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            loss.backward()
+            update_balancers(model)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[mode] = losses, [p.detach().clone() for p in model.parameters()]
+    assert runs[None][0][-1] < runs[None][0][0]
+    torch.testing.assert_close(runs["reduce-overhead"][0], runs[None][0], rtol=1e-5, atol=0)
+    for got, want in zip(runs["reduce-overhead"][1], runs[None][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -827,6 +827,29 @@ def test_gpu_dense_metadata_first_built_in_a_graph_capture(seed):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_tables_are_kept_on_the_default_stream_only(seed):
+    """Dense chunk tables and pipeline segment tables made on the default stream are reused; ones made on another
+    stream (as a CUDA graph's warm-up runs, inside the graph's memory pool) are built afresh each call, with the
+    same values."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    B, T, C = 2, 197, 32
+    index._dense_meta.cache_clear()
+    pipeline._segment_table_cached.cache_clear()
+    kept = index.chunk_meta(None, B, T, C, dev), pipeline._segment_table(B, 7, 3, dev)
+    assert index.chunk_meta(None, B, T, C, dev)[1] is kept[0][1]
+    assert pipeline._segment_table(B, 7, 3, dev)[0] is kept[1][0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        made = [(index.chunk_meta(None, B, T, C, dev)[1], pipeline._segment_table(B, 7, 3, dev)[0]) for _ in range(2)]
+    torch.cuda.synchronize()
+    assert made[0][0] is not made[1][0] and made[0][1] is not made[1][1]
+    assert all(m[0] is not kept[0][1] and torch.equal(m[0], kept[0][1]) for m in made)
+    assert all(m[1] is not kept[1][0] and torch.equal(m[1], kept[1][0]) for m in made)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_pipelined_forward_and_backward_equal_one_pass(seed, scan_layout, monkeypatch, graph):
     """On CUDA each pipeline segment's scan runs on a side stream: a missing wait between the streams would show

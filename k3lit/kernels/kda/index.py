@@ -21,18 +21,18 @@ def chunk_meta(
     """Packed-layout chunk metadata.
 
     Returns ``(cu [N + 1] int64, chunk_idx [NC, 2] int32, chunk_off [N + 1] int32, NC)``. For a dense batch
-    (``cu_seqlens`` None) it is built without reading device memory and cached per (B, T, C, device, stream):
-    the tensors are shared by every call with that key, so callers must only read them. During CUDA graph
-    capture it is built afresh (a table made inside a capture holds its values only when the graph replays);
-    for a packed batch it reads the lengths, once for a given ``cu_seqlens`` tensor (the latest one's tables are
-    kept, :data:`_packed_cache`).
+    (``cu_seqlens`` None) it is built without reading device memory and, on the device's default stream
+    (:func:`cacheable`), cached per (B, T, C, device): the tensors are shared by every call with that key, so
+    callers must only read them. On any other stream (a CUDA graph's capture or warm-up, a user's stream) it is
+    built afresh each call: a table made inside a capture holds its values only when the graph replays, and one
+    made during a CUDA-graph warm-up lives in the graph's memory pool, which must hold no tensor beyond the
+    graph's outputs. For a packed batch it reads the lengths, once for a given ``cu_seqlens`` tensor (the latest
+    one's tables are kept, :data:`_packed_cache`).
     """
     if cu_seqlens is None:
-        if device.type != "cuda":
-            return _dense_meta(B, T, C, device, 0)
-        if torch.cuda.is_current_stream_capturing():
-            return _dense_meta.__wrapped__(B, T, C, device, 0)
-        return _dense_meta(B, T, C, device, torch.cuda.current_stream(device).cuda_stream)
+        if cacheable(device):
+            return _dense_meta(B, T, C, device)
+        return _dense_meta.__wrapped__(B, T, C, device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (cu_seqlens.data_ptr(), cu_seqlens._version, cu_seqlens.numel(), C, device, stream)
@@ -42,6 +42,16 @@ def chunk_meta(
     if not capturing:  # the tensor stays referenced, so no other tensor can take its address while it is cached
         _packed_cache[:] = [(key, cu_seqlens, meta)]
     return meta
+
+
+def cacheable(device: torch.device) -> bool:
+    """Whether a shape-only table made now on ``device`` may be kept for later calls: on the CPU always; on CUDA
+    only on the device's default stream outside a graph capture (the stream eager training runs on, so every
+    later call is ordered after the table's building)."""
+    if device.type != "cuda":
+        return True
+    return (not torch.cuda.is_current_stream_capturing()
+            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))
 
 
 #: The latest packed batch's tables, ``[(key, cu_seqlens, meta)]``: every KDA layer of a forward and backward gets the
@@ -65,12 +75,10 @@ def _packed_meta(cu_seqlens: torch.Tensor, C: int, device: torch.device
 
 
 @functools.lru_cache(maxsize=64)
-def _dense_meta(B: int, T: int, C: int, device: torch.device, stream: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """:func:`chunk_meta` of a dense batch, built once per (B, T, C, device, stream): every KDA call of a training
-    step (forward, backward, recomputation) reuses it instead of launching ~10 small kernels. The kernels only read
-    it. ``stream`` (the CUDA stream's handle, 0 elsewhere) is only part of the key: a kernel on another stream
-    gets its own copy instead of one whose building it is not ordered after."""
+def _dense_meta(B: int, T: int, C: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_meta` of a dense batch, built once per (B, T, C, device) where :func:`cacheable`: every KDA call
+    of a training step (forward, backward, recomputation) reuses it instead of launching ~10 small kernels. The
+    kernels only read it."""
     n_per = triton.cdiv(T, C)
     cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
     seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(n_per)

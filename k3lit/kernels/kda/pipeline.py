@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 
+from k3lit.kernels.kda.index import cacheable
 from k3lit.kernels.kda.plan import _segments
 
 
@@ -26,7 +27,7 @@ def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stream: int
+def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device
                           ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
     """The chunk table of a dense batch of B sequences with ``n_per`` chunks each, ordered by pipeline segment:
     segment s (of ``min(P, n_per)``) covers chunks ``[lo_s, lo_{s+1})`` of every sequence, ``lo_s = s n_per // P``
@@ -47,12 +48,11 @@ def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device, stre
 
 def _segment_table(B: int, n_per: int, P: int, device: torch.device
                    ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
-    """:func:`_segment_table_cached` for the current stream (built afresh during CUDA graph capture)."""
-    if device.type != "cuda":
-        return _segment_table_cached(B, n_per, P, device, 0)
-    if torch.cuda.is_current_stream_capturing():
-        return _segment_table_cached.__wrapped__(B, n_per, P, device, 0)
-    return _segment_table_cached(B, n_per, P, device, torch.cuda.current_stream(device).cuda_stream)
+    """:func:`_segment_table_cached`, kept only where ``index.cacheable`` (built afresh on other streams, as in a
+    CUDA graph's capture or warm-up)."""
+    if cacheable(device):
+        return _segment_table_cached(B, n_per, P, device)
+    return _segment_table_cached.__wrapped__(B, n_per, P, device)
 
 
 @functools.cache
