@@ -38,7 +38,7 @@ def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
         y = y.mT
     y = y / torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
     for _ in range(steps):
-        gram = y @ y.mT
+        gram = torch.bmm(y, y.mT)
         y = torch.baddbmm(y, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
     return y.mT if tall else y
 
@@ -56,18 +56,20 @@ def orthogonalized_updates(updates: list[tuple[torch.Tensor, int, list[int], flo
         Per entry a tensor of ``u``'s shape and dtype: per block ``b`` (``[a, c]``) ``lr 0.2 sqrt(max(a, c))
         NS(b)`` (torch's ``match_rms_adamw`` rule, which carries AdamW's learning rate and weight decay over).
     """
-    outs = [torch.empty_like(u) for u, *_ in updates]
-    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)  # (a, c, scale, dtype, steps)
-    for (u, split_dim, split_sizes, lr, steps), out in zip(updates, outs, strict=True):
-        for src, dst in zip(u.split(split_sizes, split_dim), out.split(split_sizes, split_dim), strict=True):
+    # per group (a, c, scale, dtype, steps): the blocks [n, a, c] of every piece, and where each piece goes
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Size, int, int]]] = defaultdict(list)
+    pieces: list[list[torch.Tensor | None]] = []
+    for i, (u, split_dim, split_sizes, lr, steps) in enumerate(updates):
+        parts = u.split(split_sizes, split_dim)
+        pieces.append([None] * len(parts))
+        for j, src in enumerate(parts):
             a, c = src.shape[-2:]
             key = (a, c, lr * 0.2 * math.sqrt(max(a, c)), u.dtype, steps)
-            groups[key].append((src.reshape(-1, a, c), dst.view(-1, a, c)))
-    dsts, ys = [], []
-    for (_, _, scale, dtype, steps), pieces in groups.items():  # scaled in the parameter's dtype, as torch's Muon does
-        ortho = newton_schulz(torch.cat([src for src, _ in pieces]), steps).to(dtype).mul_(scale)
-        dsts += [dst for _, dst in pieces]
-        ys += ortho.split([dst.shape[0] for _, dst in pieces])
-    if dsts:
-        torch._foreach_copy_(dsts, ys)
-    return outs
+            groups[key].append((src.reshape(-1, a, c), src.shape, i, j))
+    for (_, _, scale, dtype, steps), blocks in groups.items():  # scaled in the parameter's dtype, as torch's Muon
+        ortho = newton_schulz(torch.cat([b for b, *_ in blocks]), steps).to(dtype).mul_(scale)
+        for (_, shape, i, j), y in zip(blocks, ortho.split([b.shape[0] for b, *_ in blocks]), strict=True):
+            pieces[i][j] = y.view(shape)
+    # one piece: the view of the batched result is the update; several: joined along the split dim
+    return [parts[0] if len(parts) == 1 else torch.cat(parts, split_dim)
+            for parts, (_, split_dim, *_) in zip(pieces, updates, strict=True)]
