@@ -56,12 +56,12 @@ from k3lit.data.datamodule import tokenizer_from_state
 from k3lit.model import K3LM, RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
-from k3lit.train.garbage import GarbageCollection
 from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
 from k3lit.train.checkpoint_background import BackgroundCheckpointIO
 from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
 from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
+from k3lit.train.garbage import GarbageCollection
 from k3lit.train.kernel_precompile import KernelPrecompile
 from k3lit.train.module import K3LitModule
 from k3lit.train.optim import OptimConfig

@@ -397,3 +397,15 @@ def test_document_masking_takes_the_eos_id_from_the_data(tmp_path, cache, monkey
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 3
     assert "eos_id: 256" in (tmp_path / "config.yaml").read_text()
+
+
+def test_garbage_collection_is_a_default_callback_and_a_users_setting_replaces_it(tmp_path, cache, monkeypatch):
+    from k3lit.train.garbage import GarbageCollection
+
+    monkeypatch.chdir(Path(__file__).parents[1])
+    default = K3CLI(args=fit_args(tmp_path / "a", cache, 3)[1:], run=False)
+    assert [c.every_n_steps for c in default.trainer.callbacks if isinstance(c, GarbageCollection)] == [100]
+    off = K3CLI(args=fit_args(tmp_path / "b", cache, 3)[1:] + [
+        "--trainer.callbacks+=k3lit.train.garbage.GarbageCollection", "--trainer.callbacks.every_n_steps=0"],
+        run=False)
+    assert [c.every_n_steps for c in off.trainer.callbacks if isinstance(c, GarbageCollection)] == [0]
