@@ -60,7 +60,7 @@ def orthogonalized_updates(updates: list[tuple[torch.Tensor, int, list[int], flo
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Size, int, int]]] = defaultdict(list)
     pieces: list[list[torch.Tensor | None]] = []
     for i, (u, split_dim, split_sizes, lr, steps) in enumerate(updates):
-        parts = u.split(split_sizes, split_dim)
+        parts = u.split(split_sizes, split_dim) if len(split_sizes) > 1 else (u,)
         pieces.append([None] * len(parts))
         for j, src in enumerate(parts):
             a, c = src.shape[-2:]
