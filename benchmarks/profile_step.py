@@ -140,7 +140,9 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         _sync(device)
         prof_wall = (time.perf_counter() - t0) / steps
     averages = prof.key_averages()
-    kernels = [e for e in averages if e.device_type == DeviceType.CUDA]  # kernel rows, not the ops launching them
+    # kernel rows, not the ops launching them, nor the device-side spans of record_function regions (the
+    # optimizer's step is one: it spans every kernel of the step and the gaps between them)
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     cpu_ops = [e for e in averages if e.device_type == DeviceType.CPU]
     top_level_us = sum(e.cpu_time_total for e in prof.events()
                        if e.cpu_parent is None and e.device_type == DeviceType.CPU)
