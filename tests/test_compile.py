@@ -19,7 +19,7 @@ def _steps(model: K3LM, x: torch.Tensor, n: int) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(n):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             logits = model(x[:, :-1])[0]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
@@ -128,17 +128,7 @@ def test_gpu_kda_model_trains_under_cuda_graphs(scope):
             model.compile(mode=mode)
         else:
             model.compile_sublayers(mode=mode)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for _ in range(4):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(x[:, :-1])[0]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
-            loss.backward()
-            update_balancers(model)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _steps(model, x, 4)
         runs[mode] = losses, [p.detach().clone() for p in model.parameters()]
     assert runs[None][0][-1] < runs[None][0][0]
     torch.testing.assert_close(runs["reduce-overhead"][0], runs[None][0], rtol=1e-5, atol=0)
