@@ -288,7 +288,8 @@ def test_progress_is_printed_as_lines_when_stdout_is_not_a_terminal(tmp_path, ca
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     train = [ln for ln in lines if "train/loss" in ln]
     assert [ln.split(" · ")[0] for ln in train] == ["step 2/4", "step 4/4"]  # once per optimizer step, not micro-batch
-    assert any("val/bpb" in ln for ln in lines)
+    val = [i for i, ln in enumerate(lines) if "val/bpb" in ln]
+    assert val and lines[val[-1] - 1] == "step 4 · validating 2 batches"  # the pass announced before it runs
 
 
 def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, cache, monkeypatch, recwarn):

@@ -205,6 +205,10 @@ class ProgressLines(ProgressBar):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.pace.validation_started()
+            if self._enabled:  # a line before a pass that may take minutes, so the log does not look stuck
+                batches = sum(trainer.num_val_batches)
+                count = f" {batches:,} batches" if math.isfinite(batches) else ""
+                rank_zero_info(f"step {trainer.global_step} · validating{count}")
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
