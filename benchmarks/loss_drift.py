@@ -92,7 +92,7 @@ def gap(a: dict[int, float], b: dict[int, float]) -> dict[str, float]:
 
 def drift(a: argparse.Namespace) -> dict:
     """The three runs (module docstring) and their gaps."""
-    out = Path(a.out)
+    out = Path(a.out).resolve()  # the runs start in their own tree's folder
     out.mkdir(parents=True, exist_ok=True)
     with (contextlib.nullcontext(Path(a.base_tree)) if a.base_tree else worktree(a.base)) as base_tree:
         base = fit_losses(base_tree, "base", a, out)
