@@ -64,7 +64,7 @@ def orthogonalized_updates(updates: list[tuple[torch.Tensor, int, list[int], flo
         pieces.append([None] * len(parts))
         for j, src in enumerate(parts):
             a, c = src.shape[-2:]
-            key = (a, c, lr * 0.2 * math.sqrt(max(a, c)), u.dtype, steps)
+            key = (a, c, lr * (0.2 * math.sqrt(max(a, c))), u.dtype, steps)  # torch's _adjust_lr, to the bit
             groups[key].append((src.reshape(-1, a, c), src.shape, i, j))
     for (_, _, scale, dtype, steps), blocks in groups.items():  # scaled in the parameter's dtype, as torch's Muon
         ortho = newton_schulz(torch.cat([b for b, *_ in blocks]), steps).to(dtype).mul_(scale)
