@@ -13,10 +13,10 @@ from k3lit.train.optim import OptimConfig, muon_matrices
 
 
 @pytest.mark.parametrize("shape", [(5, 96, 160), (4, 160, 96), (3, 64, 64), (1, 48, 16), (4, 3, 192), (4, 192, 3)])
-def test_batched_iteration_equals_torchs_per_matrix(shape):
+def test_batched_iteration_agrees_with_torchs_per_matrix(shape):
     """Wide, tall, square and few-row matrices, each of the batch as torch's Muon orthogonalises it alone: the same
     bfloat16 operations in the same order, where a batched product may round an element differently in the last
-    bit (on one CPU: 4 matrices of 4,800 drawn, all of 2 or 3 rows). So every matrix agrees to bfloat16's unit
+    bit (on one CPU: 4 of 4,800 random matrices, by at most 1.5e-3 relative). So every matrix agrees to bfloat16's unit
     roundoff, 2^-8 relative (a wrong orientation, scale or coefficient is off by order one)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     want = torch.stack([_zeropower_via_newtonschulz(m, ns.NS_COEFFICIENTS, 5, ns.NS_EPS) for m in x]).float()
