@@ -20,32 +20,29 @@ def chunk_meta(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Packed-layout chunk metadata.
 
-    Returns ``(cu [N + 1] int64, chunk_idx [NC, 2] int32, chunk_off [N + 1] int32, NC)``. For a dense batch
-    (``cu_seqlens`` None) it is built without reading device memory and, on the device's default stream
-    (:func:`cacheable`), cached per (B, T, C, device): the tensors are shared by every call with that key, so
-    callers must only read them. On any other stream (a CUDA graph's capture or warm-up, a user's stream) it is
-    built afresh each call: a table made inside a capture holds its values only when the graph replays, and one
-    made during a CUDA-graph warm-up lives in the graph's memory pool, which must hold no tensor beyond the
-    graph's outputs. For a packed batch it reads the lengths, once for a given ``cu_seqlens`` tensor (the latest
-    one's tables are kept, :data:`_packed_cache`).
+    Returns ``(cu [N + 1] int64, chunk_idx [NC, 2] int32, chunk_off [N + 1] int32, NC)``. Tables are kept for
+    later calls only where :func:`cacheable` (the device's default stream, outside a graph capture), and the kept
+    tensors are shared, so callers must only read them. On any other stream (a CUDA graph's capture or warm-up, a
+    user's stream) they are built afresh each call: a table made inside a capture holds its values only when the
+    graph replays, and one made during a CUDA-graph warm-up lives in the graph's memory pool, which must hold no
+    tensor beyond the graph's outputs. A dense batch (``cu_seqlens`` None): built without reading device memory,
+    kept per (B, T, C, device). A packed batch: built from its lengths (one read back to the host), kept for the
+    latest ``cu_seqlens`` tensor (:data:`_packed_cache`).
     """
+    keep = cacheable(device)
     if cu_seqlens is None:
-        if cacheable(device):
-            return _dense_meta(B, T, C, device)
-        return _dense_meta.__wrapped__(B, T, C, device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (cu_seqlens.data_ptr(), cu_seqlens._version, cu_seqlens.numel(), C, device, stream)
-    if not capturing and _packed_cache and _packed_cache[0][0] == key:
+        return _dense_meta(B, T, C, device) if keep else _dense_meta.__wrapped__(B, T, C, device)
+    key = (cu_seqlens.data_ptr(), cu_seqlens._version, cu_seqlens.numel(), C, device)
+    if keep and _packed_cache and _packed_cache[0][0] == key:
         return _packed_cache[0][2]
     meta = _packed_meta(cu_seqlens, C, device)
-    if not capturing:  # the tensor stays referenced, so no other tensor can take its address while it is cached
+    if keep:  # the tensor stays referenced, so no other tensor can take its address while it is kept
         _packed_cache[:] = [(key, cu_seqlens, meta)]
     return meta
 
 
 def cacheable(device: torch.device) -> bool:
-    """Whether a shape-only table made now on ``device`` may be kept for later calls: on the CPU always; on CUDA
+    """Whether a chunk table made now on ``device`` may be kept for later calls: on the CPU always; on CUDA
     only on the device's default stream outside a graph capture (the stream eager training runs on, so every
     later call is ordered after the table's building)."""
     if device.type != "cuda":
@@ -56,8 +53,7 @@ def cacheable(device: torch.device) -> bool:
 
 #: The latest packed batch's tables, ``[(key, cu_seqlens, meta)]``: every KDA layer of a forward and backward gets the
 #: same ``cu_seqlens`` (:class:`k3lit.nn.documents.Documents`), so the lengths are read back to the host once a step
-#: instead of once a call. The key holds the tensor's address and version counter (an in-place change misses) and,
-#: as for dense batches, the stream.
+#: instead of once a call. The key holds the tensor's address and version counter (an in-place change misses).
 _packed_cache: list[tuple[tuple, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]] = []
 
 
