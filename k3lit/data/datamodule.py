@@ -163,8 +163,15 @@ class K3DataModule(L.LightningDataModule):
 
     @property
     def val_bytes_per_token(self) -> float:
-        """UTF-8 bytes per token of the validation split: bits per byte = loss_nats / ln 2 / this."""
+        """UTF-8 bytes per token of the whole validation split (eos tokens counted as tokens)."""
         return self.prepared.bytes_per_token("val")
+
+    @property
+    def token_bytes(self) -> torch.Tensor:
+        """int64 ``[vocab_size]``: UTF-8 bytes of text each token id stands for, 0 for eos
+        (:meth:`~k3lit.data.tokenizer.Tokenizer.token_bytes`); ``table[targets].sum()`` is the bytes a batch's
+        targets encode, the denominator of its bits per byte."""
+        return torch.from_numpy(self.tokenizer.token_bytes())
 
     def state_dict(self) -> dict:
         """Saved in every Lightning checkpoint: the tokenizer itself (its JSON for HF/BPE tokenizers), so a

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 from typing_extensions import override
 
 from k3lit import lightning_compat as compat
@@ -32,8 +32,9 @@ class K3LitModule(L.LightningModule):
 
     Logs ``train/loss`` (nats per token), ``train/grad_norm`` (the total gradient norm before clipping, with
     ``gradient_clip_val`` and norm clipping), ``val/loss`` and ``val/bpb`` (bits per UTF-8 byte of the held-out
-    text, so runs with different tokenizers compare) with ``val/elapsed_s`` (seconds since training started, as
-    ``trainer.max_time`` counts them), and per MoE layer ``i``: ``train/max_vio/layer{i}``
+    text, so runs with different tokenizers compare: the pass's summed nats / ln 2 / the UTF-8 bytes its targets
+    stand for, by the datamodule's ``token_bytes`` table; not logged without one) with ``val/elapsed_s`` (seconds
+    since training started, as ``trainer.max_time`` counts them), and per MoE layer ``i``: ``train/max_vio/layer{i}``
     (MaxVio of each training batch), ``val/max_vio/layer{i}`` (MaxVio_global over the validation pass) and
     ``val/expert_frac/layer{i}/e{j}`` (token fraction per expert), ``train/router_entropy/layer{i}`` and, in
     capacity mode, ``train/drop_rate/layer{i}`` and ``train/reroute_rate/layer{i}``. Train MoE metrics are
@@ -97,6 +98,9 @@ class K3LitModule(L.LightningModule):
         with torch.device("meta") if empty_init else nullcontext():
             self.model = K3LM(model)
         self.val_loss = MeanMetric()
+        self.val_targets, self.val_bytes = SumMetric(), SumMetric()  # target tokens and the UTF-8 bytes they encode
+        self.last_val_bytes: int | None = None  # bytes of the last validation pass's targets (all ranks)
+        self._byte_table: torch.Tensor | None = None  # int64 [vocab] bytes per token id, from the datamodule
         self._train_started = time.monotonic()
         self.warmup_end_s: float | None = None  # the run's elapsed seconds when warm-up ended (max_time schedule)
         n_moe = len(self.model.moe_layers())
@@ -244,10 +248,19 @@ class K3LitModule(L.LightningModule):
             self.log("train/grad_norm", norm)
 
     @override
+    def on_validation_start(self) -> None:
+        table = getattr(getattr(self.trainer, "datamodule", None), "token_bytes", None)
+        self._byte_table = None if table is None else table.to(self.device)
+
+    @override
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         with torch.compiler.set_stance("force_eager"):  # see ``compile`` in the class docstring
             loss = self._loss(batch)
-        self.val_loss.update(loss, weight=batch[:, 1:].numel())
+        targets = batch[:, 1:]
+        self.val_loss.update(loss, weight=targets.numel())
+        if self._byte_table is not None:
+            self.val_targets.update(targets.numel())
+            self.val_bytes.update(self._byte_table[targets].sum())
         if moes := self.model.moe_layers():
             self._update_load(self.val_load, moes)
 
@@ -258,9 +271,13 @@ class K3LitModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True)
         if self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:  # held-out loss against wall-clock
             self.log("val/elapsed_s", self._elapsed_s())
-        bytes_per_token = getattr(getattr(self.trainer, "datamodule", None), "val_bytes_per_token", None)
-        if bytes_per_token:
-            self.log("val/bpb", loss / (math.log(2) * bytes_per_token), prog_bar=True)
+        if self._byte_table is not None:  # sum nats / ln 2 / sum bytes over the very targets validated
+            targets, n_bytes = self.val_targets.compute(), self.val_bytes.compute()
+            self.val_targets.reset()
+            self.val_bytes.reset()
+            self.last_val_bytes = int(n_bytes)
+            if self.last_val_bytes:
+                self.log("val/bpb", loss * targets / (math.log(2) * n_bytes), prog_bar=True)
         if self.model.moe_layers():
             stats = self.val_load.compute()
             self.val_load.reset()

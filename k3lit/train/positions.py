@@ -16,8 +16,7 @@ its positions in every block, is
 
 with ``nats_t`` the cross-entropy of target ``t`` in nats and ``bytes_t`` the UTF-8 length of the text the target
 token stands for (0 for eos; :meth:`~k3lit.data.tokenizer.Tokenizer.token_bytes`). Over all positions of one
-length the numerator is that of ``val/bpb``, which divides by the split's mean bytes per token instead of the
-blocks' own bytes.
+length this is ``val/bpb`` of a validation pass over the same blocks.
 """
 
 from __future__ import annotations

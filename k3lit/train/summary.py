@@ -9,25 +9,23 @@
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
       recent rate    7,950 tokens/s per device (the last 20 steps logged)
-      held-out bpb   2.412 (val/bpb at step 1000, over the split's 3.168 bytes/token)
-      same bytes     model 2.751 · gzip -9 1.724 · xz -9e 1.243 bits/byte on the 320 validation blocks (227,404
-                     bytes, 2.765 bytes/token)
+      held-out bpb   2.751 (val/bpb at step 1000, over the 226,527 bytes its targets encode)
+      same bytes     gzip -9 1.724 · xz -9e 1.243 bits/byte on the text of the 320 validation blocks (227,404
+                     bytes)
       MaxVio_global  layer0 0.23 · layer1 0.26 · layer2 0.43 · layer3 0.98 · layer4 0.57
       checkpoint     runs/tiny/checkpoints/last.ckpt
       plots          runs/tiny/expert_load/step0001000.png (TensorBoard: tensorboard --logdir runs/tiny)
       sample         k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt
 
 A rich table on a terminal, plain log lines otherwise (as :class:`~k3lit.train.progress.ProgressLines`). Rank
-zero only. ``val/bpb`` divides the validation loss by the held-out split's mean bytes per token, while a validation
-pass with ``limit_val_batches`` reads only the split's first blocks, whose bytes per token may differ; the "same
-bytes" row measures the model and the compressors on the text of those blocks
-(:mod:`k3lit.train.reference_bpb`; single-process runs: the very blocks validated, several processes: as many
-blocks from the split's start as rank zero validated).
+zero only. ``val/bpb`` divides the validation pass's nats by the UTF-8 bytes its targets encode (every rank's); the
+"same bytes" row measures the compressors on the text of those blocks (:mod:`k3lit.train.reference_bpb`;
+single-process runs: the very blocks validated, several processes: as many blocks from the split's start as rank
+zero validated).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 import sys
@@ -189,11 +187,9 @@ class RunSummary(Callback):
         if bpb is None or self._val_step is None:
             rows.append(("held-out bpb", "no validation ran"))
         else:
-            dm = getattr(trainer, "datamodule", None)
-            split = ""
-            if isinstance(dm, K3DataModule):
-                split = f", over the split's {dm.val_bytes_per_token:.4g} bytes/token"
-            rows.append(("held-out bpb", f"{float(bpb):.4g} (val/bpb at step {self._val_step}{split})"))
+            n_bytes = getattr(trainer.lightning_module, "last_val_bytes", None)
+            over = f", over the {n_bytes:,} bytes its targets encode" if n_bytes else ""
+            rows.append(("held-out bpb", f"{float(bpb):.4g} (val/bpb at step {self._val_step}{over})"))
             if (same := self._same_bytes(trainer)) is not None:
                 rows.append(("same bytes", same))
         vio = sorted((int(k.rsplit("layer", 1)[1]), float(v)) for k, v in metrics.items()
@@ -228,15 +224,13 @@ class RunSummary(Callback):
         return f"{100 * self._flops / (train_seconds * peak):.1f}% (of {peak / 1e12:.4g} TFLOP/s per device)"
 
     def _same_bytes(self, trainer: L.Trainer) -> str | None:
-        """Model, gzip and xz bits per byte on the validation blocks' own text (None where not computable)."""
-        dm, loss = getattr(trainer, "datamodule", None), trainer.callback_metrics.get("val/loss")
-        if not self.compressors or not isinstance(dm, K3DataModule) or loss is None or not self._val_blocks:
+        """gzip and xz bits per byte on the validation blocks' own text (None where not computable)."""
+        dm = getattr(trainer, "datamodule", None)
+        if not self.compressors or not isinstance(dm, K3DataModule) or not self._val_blocks:
             return None
         ref = reference_bpb(dm.prepared, dm.seq_len, self._val_blocks)
-        model = float(loss) * self._val_blocks * dm.seq_len / math.log(2) / ref["bytes"]
-        return (f"model {model:.4g} · gzip -9 {ref['gzip -9']:.4g} · xz -9e {ref['xz -9e']:.4g} bits/byte "
-                f"on the {self._val_blocks} validation blocks ({ref['bytes']:,} bytes, "
-                f"{ref['bytes'] / (self._val_blocks * (dm.seq_len + 1)):.4g} bytes/token)")
+        return (f"gzip -9 {ref['gzip -9']:.4g} · xz -9e {ref['xz -9e']:.4g} bits/byte on the text of the "
+                f"{self._val_blocks} validation blocks ({ref['bytes']:,} bytes)")
 
     def _outputs(self, trainer: L.Trainer) -> list[tuple[str, str]]:
         rows = []

@@ -55,10 +55,12 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     setup = re.fullmatch(r"([\d.]+) s from the process's start to training's \(imports, model, data, strategy\)",
                          fields["set-up"])
     assert setup and 0.5 < float(setup[1]) < process_s, (fields["set-up"], process_s)  # imports alone take > 0.5 s
-    assert re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the split's 1 bytes/token\)", fields["held-out bpb"])
-    same = re.fullmatch(r"model ([\d.]+) · gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the 4 validation blocks "
-                        r"\(([\d,]+) bytes, ([\d.]+) bytes/token\)", fields["same bytes"])
-    assert same and int(same.group(2).replace(",", "")) == round(float(same.group(3)) * 4 * 33)
+    held = re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the ([\d,]+) bytes its targets encode\)",
+                        fields["held-out bpb"])
+    same = re.fullmatch(r"gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the text of the 4 validation blocks "
+                        r"\(([\d,]+) bytes\)", fields["same bytes"])
+    # byte tokenizer: the 4 blocks of 33 tokens hold 4 x 33 bytes, of which the targets encode all but 4
+    assert held and same and int(held[1].replace(",", "")) == int(same[1].replace(",", "")) - 4 == 4 * 32
     assert re.fullmatch(r"layer0 [\d.]+ · layer1 [\d.]+", fields["MaxVio_global"])  # tiny: 3 layers, 1 dense
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     assert fields["checkpoint"] == str(ckpt) and fields["sample"] == f"k3lit generate --ckpt {ckpt}"
