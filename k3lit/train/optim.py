@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from k3lit.train.newton_schulz import NS_COEFFICIENTS, orthogonalized_updates
+from k3lit.train.newton_schulz import NS_COEFFICIENTS, BatchedBlocks
 
 OPTIMIZERS = ("adamw", "muon")
 __all__ = ["NS_COEFFICIENTS", "OPTIMIZERS", "MuonAdamW", "OptimConfig", "muon_matrices"]
@@ -225,6 +225,9 @@ class MuonAdamW(torch.optim.Optimizer):
         groups = self._adamw.param_groups + [{**muon, **g} for g in muon_groups]
         super().__init__(groups, dict(lr=lr, muon=False))
         self._share()
+        self._blocks_key: tuple | None = None  # the parameters _blocks and _param_pieces were built for
+        self._blocks: BatchedBlocks | None = None
+        self._param_pieces: list[torch.Tensor] = []
 
     def _share(self) -> None:
         """Point the inner AdamW at this optimizer's AdamW groups and state (after construction and loading)."""
@@ -249,8 +252,11 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_steps(self, groups: list[dict[str, Any]]) -> None:
         """Momentum, Nesterov update and decay of every Muon parameter by multi-tensor (``foreach``) ops, one per
         distinct momentum or decay; the orthogonalisation of every block batched by block shape
-        (:func:`~k3lit.train.newton_schulz.orthogonalized_updates`)."""
+        (:class:`~k3lit.train.newton_schulz.BatchedBlocks`, kept from step to step while the parameters are plain
+        tensors), the scaled blocks subtracted from the parameters' pieces in place by one multi-tensor op."""
         entries = [(p, g) for g in groups for p in g["params"] if p.grad is not None]
+        if not entries:
+            return
         for p, _ in entries:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -260,17 +266,48 @@ class MuonAdamW(torch.optim.Optimizer):
             grads, bufs = [p.grad for p in ps], [self.state[p]["momentum_buffer"] for p in ps]
             torch._foreach_lerp_(bufs, grads, 1 - momentum)
             nesterov.update(zip(ps, torch._foreach_lerp(grads, bufs, momentum), strict=True))
-        updates = orthogonalized_updates([
-            (nesterov[p].full_tensor() if isinstance(p, DTensor) else nesterov[p], g["split_dim"], g["split_sizes"],
-             float(g["lr"]), g["ns_steps"]) for p, g in entries])
-        # every rank holds the same full update of a DTensor parameter: it keeps its own shard, no exchange
-        updates = [distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor)
-                   else u for (p, _), u in zip(entries, updates, strict=True)]
+        sharded = any(isinstance(p, DTensor) for p, _ in entries)
+        # every rank orthogonalises the whole Nesterov update of a DTensor parameter and keeps its own shard
+        updates = [nesterov[p].full_tensor() if isinstance(p, DTensor) else nesterov[p] for p, _ in entries]
+        blocks = self._batched_blocks(entries, updates, keep=not sharded)
+        pieces = [u.split(g["split_sizes"], g["split_dim"]) if len(g["split_sizes"]) > 1 else (u,)
+                  for u, (_, g) in zip(updates, entries, strict=True)]
+        ortho = blocks.run([pieces[i][j] for i, j in blocks.order])
+        # torch's _adjust_lr (match_rms_adamw), to the bit: lr * (0.2 sqrt(max(a, c)))
+        torch._foreach_mul_(ortho, [float(entries[i][1]["lr"]) * r
+                                    for (i, _), r in zip(blocks.order, blocks.rms_scale, strict=True)])
         for decay in {1 - float(g["lr"]) * g["weight_decay"] for _, g in entries}:
-            sel = [(p, u) for (p, g), u in zip(entries, updates, strict=True)
-                   if 1 - float(g["lr"]) * g["weight_decay"] == decay]
-            torch._foreach_mul_([p for p, _ in sel], decay)
-            torch._foreach_sub_([p for p, _ in sel], [u for _, u in sel])
+            torch._foreach_mul_([p for p, g in entries if 1 - float(g["lr"]) * g["weight_decay"] == decay], decay)
+        if not sharded:
+            torch._foreach_sub_(self._param_pieces, ortho)
+            return
+        full = [torch.empty_like(u) for u in updates]
+        torch._foreach_copy_(_piece_views(full, entries, blocks.order), ortho)
+        full = [distribute_tensor(u, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else u
+                for (p, _), u in zip(entries, full, strict=True)]
+        torch._foreach_sub_([p for p, _ in entries], full)
+
+    def _batched_blocks(self, entries: list[tuple[torch.Tensor, dict[str, Any]]], updates: list[torch.Tensor],
+                        keep: bool) -> BatchedBlocks:
+        """The :class:`BatchedBlocks` of these updates; with ``keep`` (plain parameters), kept with the views of
+        the parameters' pieces (``_param_pieces``, in its order) until the parameters or their layouts change."""
+        key = tuple((id(p), p.data_ptr(), g["split_dim"], tuple(g["split_sizes"]), g["ns_steps"]) for p, g in entries)
+        if keep and key == self._blocks_key:
+            return self._blocks
+        blocks = BatchedBlocks([(u.shape, g["split_dim"], g["split_sizes"], g["ns_steps"], u.dtype)
+                                for u, (_, g) in zip(updates, entries, strict=True)], updates[0].device)
+        if keep:
+            self._blocks_key, self._blocks = key, blocks
+            self._param_pieces = _piece_views([p.detach() for p, _ in entries], entries, blocks.order)
+        return blocks
+
+
+def _piece_views(tensors: list[torch.Tensor], entries: list[tuple[torch.Tensor, dict[str, Any]]],
+                 order: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views ``[blocks, a, c]`` of the pieces ``order`` names of ``tensors`` (one per entry, its full shape), split as
+    the entry's group says."""
+    split = [t.split(g["split_sizes"], g["split_dim"]) for t, (_, g) in zip(tensors, entries, strict=True)]
+    return [split[i][j].view(-1, *split[i][j].shape[-2:]) for i, j in order]
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:

@@ -58,3 +58,54 @@ def test_optimizer_step_runs_one_iteration_per_block_shape(monkeypatch):
     monkeypatch.setattr(ns, "newton_schulz", counting)
     opt.step()
     assert sorted(calls) == sorted((n, *s) for s, n in shapes.items())
+
+
+def _model_and_muon(seed: int) -> tuple[K3LM, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = K3LM(ModelConfig(vocab_size=40, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16,
+                             mlp_hidden=48, n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1,
+                             first_dense_layers=1, attnres_block_size=2))
+    return model, OptimConfig(name="muon", lr=1e-2, warmup_steps=0).build(model, 10)[0]
+
+
+def test_a_step_joins_and_reshapes_nothing(monkeypatch):
+    """After the first step (which lays the blocks out), a step copies the pieces into the kept buffers and splits
+    the results: no concatenation and no reshape per piece, and only the multi-piece updates are split."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, opt = _model_and_muon(0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        opt.step()
+    multi = sum(len(sizes) > 1 for _, sizes in muon_matrices(model).values())
+    shapes = len(opt._blocks._batches)
+    assert "aten.cat.default" not in ops and "aten.view.default" not in ops
+    assert ops.count("aten.split_with_sizes.default") == multi + shapes  # the updates' pieces, the results' blocks
+    assert ops.count("aten.bmm.default") + ops.count("aten.baddbmm.default") == 15 * shapes  # 5 iterations of 3
+
+
+def test_kept_blocks_follow_parameters_that_move():
+    """The kept views of the parameters' pieces are rebuilt when a parameter's storage changes (a move to
+    another device or dtype, a load that replaces ``.data``): the updates land in the parameters themselves."""
+    (model_a, opt_a), (model_b, opt_b) = _model_and_muon(0), _model_and_muon(0)
+    for step in range(3):
+        grads = {name: torch.randn_like(p, generator=torch.Generator().manual_seed(step)) for name, p in
+                 model_a.named_parameters()}
+        for model in (model_a, model_b):
+            for name, p in model.named_parameters():
+                p.grad = grads[name].clone()
+        opt_a.step()
+        opt_b.step()
+        for p in muon_matrices(model_b):
+            p.data = p.data.clone()  # new storage, same parameter object
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(a, b), name
