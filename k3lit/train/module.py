@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -102,6 +103,7 @@ class K3LitModule(L.LightningModule):
         self.last_val_bytes: int | None = None  # bytes of the last validation pass's targets (all ranks)
         self._byte_table: torch.Tensor | None = None  # int64 [vocab] bytes per token id, from the datamodule
         self._train_started = time.monotonic()
+        self._step_logs: list[tuple[Callable[[], dict[str, torch.Tensor]], bool]] = []  # see _log_step
         self.warmup_end_s: float | None = None  # the run's elapsed seconds when warm-up ended (max_time schedule)
         n_moe = len(self.model.moe_layers())
         if n_moe:
@@ -161,10 +163,11 @@ class K3LitModule(L.LightningModule):
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss)  # not prog_bar: Lightning turns those into numbers after every batch
+        self._step_logs = []  # this micro-batch's; the MoE statistics and grad norm follow on the step's last one
+        self._log_step(lambda: {"train/loss": loss.detach()})  # not prog_bar: Lightning reads those every batch
         aux = self.model.aux_loss()
         if aux is not None:
-            self.log("train/aux_loss", aux)
+            self._log_step(lambda: {"train/aux_loss": aux.detach()})
             loss = loss + aux
         if moes := self.model.moe_layers():
             self._update_load(self.train_load, moes)  # every micro-batch; logged once per optimizer step
@@ -184,6 +187,24 @@ class K3LitModule(L.LightningModule):
         if self.trainer.ckpt_path:
             self.optim_config.apply(self.trainer.optimizers[0], self.trainer.lr_scheduler_configs[0].scheduler)
 
+    def _log_step(self, values: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Log this step's training values (``values()``: 0-d device tensors, no host sync) if Lightning will write
+        them: on every ``log_every_n_steps``-th step (always outside a trainer). Each ``self.log`` call costs the
+        host about half a millisecond (Lightning's result store moves the value's state to its device), so the
+        other steps log nothing; their values are kept for :meth:`on_train_batch_end`, which logs them if a
+        callback stops training at this step, so the last row Lightning writes holds this step's values."""
+        logged = self._trainer is None or compat.should_update_logs(self.trainer)
+        self._step_logs.append((values, logged))
+        for name, value in values().items() if logged else ():
+            self.log(name, value)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.trainer.should_stop and not compat.accumulating(self.trainer):
+            for values, logged in self._step_logs:
+                for name, value in values().items() if not logged else ():
+                    self.log(name, value)
+
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Balancer updates, then the step's MoE statistics, computed and logged on the device without a host
@@ -197,15 +218,11 @@ class K3LitModule(L.LightningModule):
             stats = self.train_load.compute()
             self.train_load.reset()
             self.last_expert_fraction = stats["fraction"].detach()  # [L_moe, n] on the device, for ExpertLoadPlots
-            # Lightning writes only the logging steps' values of on-step metrics; each self.log call costs the host
-            # about half a millisecond, so the other steps of a trainer's run log nothing
-            logs = self._trainer is None or compat.should_update_logs(self.trainer)
-            for i in range(len(stats["max_vio"]) if logs else 0):
-                self.log(f"train/max_vio/layer{i}", stats["max_vio"][i])
-                self.log(f"train/router_entropy/layer{i}", stats["entropy"][i])
-                if self.model_config.capacity_factor is not None:
-                    self.log(f"train/drop_rate/layer{i}", stats["drop_rate"][i])
-                    self.log(f"train/reroute_rate/layer{i}", stats["reroute_rate"][i])
+            names = {"max_vio": "max_vio", "entropy": "router_entropy"}
+            if self.model_config.capacity_factor is not None:
+                names.update(drop_rate="drop_rate", reroute_rate="reroute_rate")
+            self._log_step(lambda: {f"train/{name}/layer{i}": stats[key][i] for key, name in names.items()
+                                    for i in range(len(stats["max_vio"]))})
 
     @override
     def configure_gradient_clipping(
@@ -244,8 +261,8 @@ class K3LitModule(L.LightningModule):
             torch.nn.utils.clip_grad_value_(params, float(gradient_clip_val))
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        if norm is not None and compat.should_update_logs(self.trainer):
-            self.log("train/grad_norm", norm)
+        if norm is not None:
+            self._log_step(lambda: {"train/grad_norm": norm})
 
     @override
     def on_validation_start(self) -> None:
