@@ -14,7 +14,8 @@
 # fla; starts six fla compile workers beside the tests, twelve run a 140 GB H200 out of memory), fused ("KDA with
 # fused gate and q/k L2 norm"), accuracy ("KDA accuracy over draws"), first_call ("KDA first call"), attnres
 # ("Attention residuals × checkpointing (<GPU>, 300m, batch 8)"), mix ("Attention residuals: depth-mix kernel
-# (<GPU>)"), moe ("MoE: experts and balancing overhead"), throughput ($LOGS/throughput_small.json; write its
+# (<GPU>)"), short_conv ("Short convolution (<GPU>)", with fla and the tiling sweep), moe ("MoE: experts and
+# balancing overhead"), throughput ($LOGS/throughput_small.json; write its
 # section with `python benchmarks/throughput.py --from_json ...`), startup ("Start-up (<GPU>)": `small` on empty and
 # warm compile caches; prepares the python corpus first, about 95 s).
 set -u
@@ -22,7 +23,7 @@ cd "$(git rev-parse --show-toplevel)"
 LOGS=${LOGS:-/tmp/k3lit-gpu}
 mkdir -p "$LOGS"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$LOGS/triton-cache}
-ALL="tests kda fused accuracy first_call attnres mix moe throughput startup"
+ALL="tests kda fused accuracy first_call attnres mix short_conv moe throughput startup"
 STEPS=" ${*:-$ALL} "
 t0=$(date +%s)
 stamp() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
@@ -63,6 +64,10 @@ fi
 if want mix; then
   timeout 150 python benchmarks/attnres.py mix --batch 8 --sources 6 11 --sweep > "$LOGS/mix.log" 2>&1
   stamp "attnres.py mix (rc $?)"
+fi
+if want short_conv; then
+  timeout 300 python benchmarks/short_conv.py --sweep --json "$LOGS/short_conv.json" > "$LOGS/short_conv.log" 2>&1
+  stamp "short_conv.py (rc $?)"
 fi
 if want moe; then
   timeout 300 python benchmarks/moe.py --json "$LOGS/moe.json" > "$LOGS/moe.log" 2>&1; stamp "moe.py (rc $?)"

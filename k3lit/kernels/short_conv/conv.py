@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-BT = 64  # time steps per program
-BC = 64  # channels per program (BT x BC float32 tiles: 32 registers a thread at 4 warps; 64 x 128 spilled)
+TUNING: dict[str, tuple[int, int, int]] = {"fwd": (64, 64, 4), "bwd_p": (64, 64, 4), "bwd_dx": (64, 64, 4)}
+"""Per kernel: (time steps, channels) per program and warps. 64 x 64 float32 tiles hold 32 values a thread at 4
+warps; 64 x 128 spilled (``benchmarks/kernel_resources.py``). ``benchmarks/short_conv.py --sweep`` times others."""
 
 
 @triton.jit
@@ -100,8 +101,9 @@ def conv_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [B, T, C]`` contiguous, ``w [C, W]`` -> ``y = silu(causal_conv(x, w)) [B, T, C]`` in x's dtype."""
     B, T, C = x.shape
     y = torch.empty_like(x)
-    grid = (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
-    _fwd[grid](x, w, y, T, C, W=w.shape[1], BT=BT, BC=BC, BIG=x.numel() >= 2**31, num_warps=4)
+    bt, bc, warps = TUNING["fwd"]
+    grid = (triton.cdiv(T, bt), triton.cdiv(C, bc), B)
+    _fwd[grid](x, w, y, T, C, W=w.shape[1], BT=bt, BC=bc, BIG=x.numel() >= 2**31, num_warps=warps)
     return y
 
 
@@ -109,11 +111,14 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.
     """Gradients ``(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)`` of :func:`conv_fwd`."""
     B, T, C = x.shape
     W = w.shape[1]
-    nt = triton.cdiv(T, BT)
-    grid, big = (nt, triton.cdiv(C, BC), B), x.numel() >= 2**31
+    big = x.numel() >= 2**31
+    bt, bc, warps = TUNING["bwd_p"]
+    nt = triton.cdiv(T, bt)
     p = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
     dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
-    _bwd_p[grid](x, w, dy, p, dw_part, T, C, W=W, BT=BT, BC=BC, BIG=big, num_warps=4)
+    _bwd_p[(nt, triton.cdiv(C, bc), B)](x, w, dy, p, dw_part, T, C, W=W, BT=bt, BC=bc, BIG=big, num_warps=warps)
     dx = torch.empty_like(x)
-    _bwd_dx[grid](p, w, dx, T, C, W=W, BT=BT, BC=BC, BIG=big, num_warps=4)
+    bt, bc, warps = TUNING["bwd_dx"]
+    _bwd_dx[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](p, w, dx, T, C, W=W, BT=bt, BC=bc, BIG=big,
+                                                        num_warps=warps)
     return dx, dw_part.sum(0).to(w.dtype)
