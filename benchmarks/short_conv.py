@@ -52,36 +52,38 @@ def fla_conv():
         from fla.modules.causal_conv1d import causal_conv1d
     except ImportError:
         return None
-    return lambda x, w: causal_conv1d(x, weight=w, activation="silu", backend="triton")[0]
+    return lambda x, w: (causal_conv1d(x, weight=w, activation="silu", backend="triton")[0],)
 
 
-def passes(f, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):  # noqa: ANN001, ANN201
-    """``(forward, forward + backward, outputs)`` of ``f``: two timeable closures and ``(y, dx, dw)``."""
+def passes(f, x: torch.Tensor, w: torch.Tensor, dys: tuple[torch.Tensor, ...]):  # noqa: ANN001, ANN201
+    """``(forward, forward + backward, outputs)`` of ``f(x, w) -> ys`` (channel groups of y, ``dys`` their
+    gradients): two timeable closures and ``(y, dx, dw)``."""
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
 
-    def fwd() -> torch.Tensor:
+    def fwd() -> tuple[torch.Tensor, ...]:
         return f(x, w)
 
     def fwd_bwd() -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(f(xg, wg), (xg, wg), dy)
+        return torch.autograd.grad(f(xg, wg), (xg, wg), dys)
 
-    y = f(xg, wg)
-    return fwd, fwd_bwd, (y.detach(), *torch.autograd.grad(y, (xg, wg), dy))
+    ys = f(xg, wg)
+    return fwd, fwd_bwd, (torch.cat([y.detach() for y in ys], -1), *torch.autograd.grad(ys, (xg, wg), dys))
 
 
-def kernel_times(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, bench) -> list[dict]:  # noqa: ANN001
-    """Each k3lit kernel alone at every tiling of :data:`SWEEP` (the other kernels at their defaults), with
-    whether its y and dx equal the default tiling's to the bit."""
+def kernel_times(x: torch.Tensor, w: torch.Tensor, dy: list[torch.Tensor], bench) -> list[dict]:  # noqa: ANN001
+    """Each k3lit kernel alone at every tiling of :data:`SWEEP` (the other kernels at their defaults; the output in
+    KDA's three parts, ``dy`` their gradients), with whether its y and dx equal the default tiling's to the bit."""
     default = dict(conv.TUNING)
-    y0, (dx0, _) = conv.conv_fwd(x, w), conv.conv_bwd(x, w, dy)
+    y0, (dx0, _) = conv.conv_fwd(x, w, 3), conv.conv_bwd(x, w, dy)
     rows = []
     for kernel in ("fwd", "bwd_p", "bwd_dx"):
         for bt, bc, warps in itertools.product(*SWEEP.values()):
             conv.TUNING[kernel] = (bt, bc, warps)
             try:
-                same = torch.equal(conv.conv_fwd(x, w), y0) and torch.equal(conv.conv_bwd(x, w, dy)[0], dx0)
+                same = (all(map(torch.equal, conv.conv_fwd(x, w, 3), y0))
+                        and torch.equal(conv.conv_bwd(x, w, dy)[0], dx0))
                 # the backward launcher whole (both kernels, the dw reduction): the tilings of one kernel differ
-                ms = bench((lambda: conv.conv_fwd(x, w)) if kernel == "fwd" else (lambda: conv.conv_bwd(x, w, dy)))
+                ms = bench((lambda: conv.conv_fwd(x, w, 3)) if kernel == "fwd" else (lambda: conv.conv_bwd(x, w, dy)))
             except Exception as e:  # a tiling that does not compile (shared memory, registers)
                 rows.append({"kernel": kernel, "bt": bt, "bc": bc, "warps": warps, "ms": None, "error": str(e)[:80]})
                 continue
@@ -110,15 +112,16 @@ def measure(a: argparse.Namespace, device: str = "cuda", bench=gpu_bench) -> dic
         dy = torch.randn(B, T, C, device=device, generator=g).bfloat16()
         want = reference(x, w, dy)
         row = {"B": B, "T": T, "C": C, "bytes_fwd": 2 * x.numel() * 2, "bytes_fwd_bwd": 5 * x.numel() * 2}
-        for name, f in (("k3lit", short_conv_silu_triton), ("fla", fla)):
+        dys = [t.contiguous() for t in dy.chunk(3, -1)]  # KDA's q, k and v gradients, apart
+        for name, f, grads in (("k3lit", lambda x, w: short_conv_silu_triton(x, w, 3), dys), ("fla", fla, (dy,))):
             if f is None:
                 continue
-            fwd, fwd_bwd, got = passes(f, x, w, dy)
+            fwd, fwd_bwd, got = passes(f, x, w, tuple(grads))
             row[name] = {"err": {k: rel_rms(g_, w_) for k, g_, w_ in zip(("y", "dx", "dw"), got, want, strict=True)},
                          "fwd_ms": bench(fwd), "fwd_bwd_ms": bench(fwd_bwd)}
         out["shapes"].append(row)
         if a.sweep:
-            out["sweep"].append({"B": B, "T": T, "C": C, "rows": kernel_times(x, w, dy, bench)})
+            out["sweep"].append({"B": B, "T": T, "C": C, "rows": kernel_times(x, w, dys, bench)})
         print(row, flush=True)
     return out
 
@@ -126,7 +129,8 @@ def measure(a: argparse.Namespace, device: str = "cuda", bench=gpu_bench) -> dic
 def table(r: dict) -> str:
     lines = [
         f"Written by `benchmarks/short_conv.py`. {environment(r['env'])}. Command: {r['command']}. bf16 x and "
-        f"dy, kernel width {r['width']}; k3lit: `short_conv_silu_triton`; fla: `causal_conv1d(activation=\"silu\", "
+        f"dy, kernel width {r['width']}; k3lit: `short_conv_silu_triton(parts=3)` (y and dy as three channel groups, "
+        "as a KDA layer's q, k and v); fla: `causal_conv1d(activation=\"silu\", "
         "backend=\"triton\")`. Error: relative RMS against the float64 convolution of the same inputs. TB/s: the "
         "least bytes the pass must move (forward 2, forward+backward 5 tensors of B x T x C) over its median time.",
         "",

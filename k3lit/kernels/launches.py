@@ -74,17 +74,18 @@ def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_m
     return fwd + bwd
 
 
-def short_conv_launches(B: int, T: int, C: int, width: int, dtype: torch.dtype,
-                        backward: bool = True) -> list[aot.Launch]:
+def short_conv_launches(B: int, T: int, C: int, width: int, dtype: torch.dtype, backward: bool = True,
+                        parts: int = 3) -> list[aot.Launch]:
     """The launches of the short convolution + SiLU (:func:`k3lit.kernels.short_conv.short_conv_silu_triton`) on
-    ``[B, T, C]`` inputs of ``dtype`` with ``width`` taps (cast to ``dtype``, as the layer does)."""
+    ``[B, T, C]`` inputs of ``dtype`` with ``width`` taps (cast to ``dtype``, as the layer does), its output in
+    ``parts`` channel groups (3: a KDA layer's q, k and v)."""
     from k3lit.kernels.short_conv import conv
 
     x, w = torch.empty(B, T, C, device=META, dtype=dtype), torch.empty(C, width, device=META, dtype=dtype)
     with aot.record_launches(conv, *SHORT_CONV_KERNELS) as launches:
-        conv.conv_fwd(x, w)
+        ys = conv.conv_fwd(x, w, parts)
         if backward:
-            conv.conv_bwd(x, w, torch.empty_like(x))
+            conv.conv_bwd(x, w, [torch.empty_like(y) for y in ys])
     return launches
 
 

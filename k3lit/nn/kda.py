@@ -64,7 +64,8 @@ class KimiDeltaAttention(nn.Module):
         check_gate_bound(g_min, self.chunk_size)
         inner = n_heads * head_dim
         self.qkv_proj = nn.Linear(dim, 3 * inner, bias=False)
-        self.qkv_conv = ShortConvolution(3 * inner, conv_width, backend if backend in ("auto", "triton") else "torch")
+        self.qkv_conv = ShortConvolution(3 * inner, conv_width, backend if backend in ("auto", "triton") else "torch",
+                                         parts=3)
         # beta logits (one per head) | low-rank decay-gate down (rank = head_dim) | low-rank output-gate down
         self.down_proj = nn.Linear(dim, n_heads + 2 * head_dim, bias=False)
         self.f_up = nn.Linear(head_dim, inner, bias=False)
@@ -89,7 +90,7 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("KimiDeltaAttention: document masking is for training and scoring; decoding takes no docs")
         qkv, conv = self.qkv_conv(self.qkv_proj(x), None if state is None else state.conv,
                                   None if docs is None else docs.pos)
-        q, k, v = qkv.view(B, T, 3, H, K).unbind(2)  # [B, T, H, K] each
+        q, k, v = (t.view(B, T, H, K) for t in qkv)  # contiguous from the Triton kernel, views otherwise
         b_logit, f_low, o_low = self.down_proj(x).split([H, K, K], dim=-1)
         beta = torch.sigmoid(b_logit.to(torch.promote_types(x.dtype, torch.float32)))  # [B, T, H]
         e = self.f_up(f_low).view(B, T, H, K)  # gate pre-activation

@@ -31,9 +31,9 @@ def test_masked_short_convolution_reads_no_earlier_document(seed):
     conv = ShortConvolution(6, width=4, backend="torch")
     x = torch.randn(1, 9, 6)
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
-    y, _ = conv(x, pos=pos)
+    (y,), _ = conv(x, pos=pos)
     for lo, hi in ((0, 3), (3, 5), (5, 9)):
-        alone, _ = conv(x[:, lo:hi])
+        (alone,), _ = conv(x[:, lo:hi])
         torch.testing.assert_close(y[:, lo:hi], alone, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="pass no state"):
         conv(x, torch.zeros(1, 6, 3), pos)

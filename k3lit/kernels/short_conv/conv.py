@@ -14,6 +14,11 @@ tile loads and ``W`` sigmoids per element: the backward would be bound by instru
 float32, in the same order as a one-pass form, so the float32 ``p`` round trip changes no bit. The
 ``[programs, C, W]`` partials of ``dw`` are summed in torch (deterministic, no atomics). The layout needs no
 transposes: the projections produce ``[B, T, C]`` and the KDA op consumes it.
+
+With ``parts = 3`` (KDA's fused q, k, v) ``y`` comes as three contiguous ``[B, T, C / 3]`` tensors, channel
+groups ``[0, C/3)``, ``[C/3, 2C/3)``, ``[2C/3, C)``, and ``dy`` is read from three such tensors: the KDA op takes
+q, k and v contiguous and returns their gradients apart, so neither the forward's split nor the backward's join
+copies them. Each channel's base pointer is picked from the three, so a tile may straddle two groups.
 """
 
 from __future__ import annotations
@@ -42,21 +47,42 @@ def _pre(x_ptr, w_ptr, b, t, c, T, C, W: tl.constexpr):
 
 
 @triton.jit
-def _fwd(x_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr):
+def _parts_offsets(b, t, c, T, C, PARTS: tl.constexpr):
+    """Offsets ``[BT, BC]`` of ``(b, t, c)`` in ``[B, T, C]`` (``PARTS = 1``), or in the part ``[B, T, C / 3]`` that
+    holds channel c, with each element's part ``[BC]`` (``PARTS = 3``)."""
+    if PARTS == 1:
+        return (b * T + t)[:, None] * C + c[None, :], c * 0
+    cp = C // 3
+    part = c // cp
+    return (b * T + t)[:, None] * cp + (c - part * cp)[None, :], part
+
+
+@triton.jit
+def _part_base(ptr0, ptr1, ptr2, part, PARTS: tl.constexpr):
+    """The base pointer ``[BC]`` of each channel's part (``ptr0`` for all with ``PARTS = 1``)."""
+    if PARTS == 1:
+        return ptr0 + part * 0
+    return tl.where(part == 0, ptr0, tl.where(part == 1, ptr1, ptr2))
+
+
+@triton.jit
+def _fwd(x_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+         BIG: tl.constexpr, PARTS: tl.constexpr):
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
         b = b.to(tl.int64)
     t = pt * BT + tl.arange(0, BT)
     c = pc * BC + tl.arange(0, BC)
     pre = _pre(x_ptr, w_ptr, b, t, c, T, C, W)
-    y = pre * tl.sigmoid(pre)
+    y = (pre * tl.sigmoid(pre)).to(y_ptr.dtype.element_ty)
     m = (t < T)[:, None] & (c < C)[None, :]
-    tl.store(y_ptr + (b * T + t)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    off, part = _parts_offsets(b, t, c, T, C, PARTS)
+    tl.store(_part_base(y_ptr, y1_ptr, y2_ptr, part, PARTS)[None, :] + off, y, mask=m)
 
 
 @triton.jit
-def _bwd_p(x_ptr, w_ptr, dy_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-           BIG: tl.constexpr):
+def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr,
+           BC: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
     """``p = dy · silu'(pre)`` (float32, stored) and this program's ``dw`` partial ``Σ_s p[s] x[s - (W-1) + j]``."""
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
@@ -66,7 +92,8 @@ def _bwd_p(x_ptr, w_ptr, dy_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: 
     cmask = c < C
     m = (s < T)[:, None] & cmask[None, :]
     pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
-    dy = tl.load(dy_ptr + (b * T + s)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    off, part = _parts_offsets(b, s, c, T, C, PARTS)
+    dy = tl.load(_part_base(dy_ptr, dy1_ptr, dy2_ptr, part, PARTS)[None, :] + off, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(pre)
     p = dy * sig * (1.0 + pre * (1.0 - sig))
     tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=m)
@@ -97,18 +124,21 @@ def _bwd_dx(p_ptr, w_ptr, dx_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: t
     tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
-def conv_fwd(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [B, T, C]`` contiguous, ``w [C, W]`` -> ``y = silu(causal_conv(x, w)) [B, T, C]`` in x's dtype."""
+def conv_fwd(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> list[torch.Tensor]:
+    """``x [B, T, C]`` contiguous, ``w [C, W]`` -> ``y = silu(causal_conv(x, w))`` in x's dtype: ``[y]``
+    (``[B, T, C]``) for ``parts = 1``, its three channel groups ``[B, T, C / 3]`` (each contiguous) for 3."""
     B, T, C = x.shape
-    y = torch.empty_like(x)
+    ys = [torch.empty_like(x)] if parts == 1 else [x.new_empty(B, T, C // 3) for _ in range(3)]
     bt, bc, warps = TUNING["fwd"]
     grid = (triton.cdiv(T, bt), triton.cdiv(C, bc), B)
-    _fwd[grid](x, w, y, T, C, W=w.shape[1], BT=bt, BC=bc, BIG=x.numel() >= 2**31, num_warps=warps)
-    return y
+    _fwd[grid](x, w, *(ys * 3)[:3], T, C, W=w.shape[1], BT=bt, BC=bc, BIG=x.numel() >= 2**31, PARTS=parts,
+               num_warps=warps)
+    return ys
 
 
-def conv_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)`` of :func:`conv_fwd`."""
+def conv_bwd(x: torch.Tensor, w: torch.Tensor, dys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)`` of :func:`conv_fwd` from the gradients
+    ``dys`` of its outputs (one ``[B, T, C]``, or three contiguous ``[B, T, C / 3]``)."""
     B, T, C = x.shape
     W = w.shape[1]
     big = x.numel() >= 2**31
@@ -116,7 +146,8 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.
     nt = triton.cdiv(T, bt)
     p = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
     dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
-    _bwd_p[(nt, triton.cdiv(C, bc), B)](x, w, dy, p, dw_part, T, C, W=W, BT=bt, BC=bc, BIG=big, num_warps=warps)
+    _bwd_p[(nt, triton.cdiv(C, bc), B)](x, w, *(dys * 3)[:3], p, dw_part, T, C, W=W, BT=bt, BC=bc, BIG=big,
+                                        PARTS=len(dys), num_warps=warps)
     dx = torch.empty_like(x)
     bt, bc, warps = TUNING["bwd_dx"]
     _bwd_dx[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](p, w, dx, T, C, W=W, BT=bt, BC=bc, BIG=big,
