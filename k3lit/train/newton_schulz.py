@@ -49,8 +49,8 @@ class BatchedBlocks:
     one ``[N, A, C]`` bfloat16 buffer, allocated once, with a view of it for every piece of every update.
 
     A step then copies every piece into its place with one multi-tensor copy, runs one :func:`newton_schulz` per
-    block shape, and splits each result into the pieces' blocks; neither the pieces nor the results are joined
-    per step, which in a ``small`` step took about 350 of the 800 operators the host issued for Muon.
+    block shape, and splits each result into the pieces' blocks; nothing is joined or reshaped per piece. The host
+    issues 281 operators for a Muon step of ``small``'s model this way, 804 when the pieces were joined each step.
 
     Args:
         layouts: per update ``(shape, split_dim, split_sizes, steps, dtype)``: its full shape ``[A, C]`` or

@@ -291,8 +291,9 @@ class MuonAdamW(torch.optim.Optimizer):
                         keep: bool) -> BatchedBlocks:
         """The :class:`BatchedBlocks` of these updates; with ``keep`` (plain parameters), kept with the views of
         the parameters' pieces (``_param_pieces``, in its order) until the parameters or their layouts change."""
-        key = tuple((id(p), p.data_ptr(), g["split_dim"], tuple(g["split_sizes"]), g["ns_steps"]) for p, g in entries)
-        if keep and key == self._blocks_key:
+        key = keep and tuple((id(p), p.data_ptr(), g["split_dim"], tuple(g["split_sizes"]), g["ns_steps"])
+                             for p, g in entries)
+        if key and key == self._blocks_key:
             return self._blocks
         blocks = BatchedBlocks([(u.shape, g["split_dim"], g["split_sizes"], g["ns_steps"], u.dtype)
                                 for u, (_, g) in zip(updates, entries, strict=True)], updates[0].device)
