@@ -68,7 +68,7 @@ def _model_and_muon(seed: int) -> tuple[K3LM, torch.optim.Optimizer]:
     return model, OptimConfig(name="muon", lr=1e-2, warmup_steps=0).build(model, 10)[0]
 
 
-def test_a_step_joins_and_reshapes_nothing(monkeypatch):
+def test_a_step_joins_and_reshapes_nothing():
     """After the first step (which lays the blocks out), a step copies the pieces into the kept buffers and splits
     the results: no concatenation and no reshape per piece, and only the multi-piece updates are split."""
     from torch.utils._python_dispatch import TorchDispatchMode
