@@ -46,6 +46,7 @@ from throughput import build_model  # noqa: E402
 from k3lit.model import ModelConfig  # noqa: E402
 from k3lit.ops.attn_res import attn_res_mix  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
+from k3lit.train.loss import next_token_loss  # noqa: E402
 
 RESIDUALS = [("plain", 4), ("block_attnres", 4), ("full_attnres", 4)]
 POLICIES = ["none", "layer", "block", "selective"]
@@ -74,7 +75,7 @@ def measure(size: str, residual: str, block: int, policy: str, repeats: int, com
     def step() -> None:
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
             logits, _ = model(idx[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
+            loss = next_token_loss(logits, idx[:, 1:])
         loss.backward()
         model.zero_grad(set_to_none=True)
 

@@ -112,7 +112,7 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
     dynamo traces); returns the summary and the text tables."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(cfg, device, compile_)
-    step = make_step(model, device, optim)
+    step = make_step(model, device, optim, compile_loss=compile_ != "none")
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     for _ in range(3):  # compile kernels, prime the allocator
         step(x)

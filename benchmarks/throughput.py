@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,6 +38,7 @@ from benchmarks.results import versions, write_section  # noqa: E402
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
 from k3lit.nn.moe import update_balancers  # noqa: E402
 from k3lit.train.flops import active_matmul_params, peak_flops, training_flops  # noqa: E402
+from k3lit.train.loss import compiled_next_token_loss, next_token_loss  # noqa: E402
 from k3lit.train.optim import OptimConfig  # noqa: E402
 
 
@@ -151,22 +151,24 @@ def build_litgpt(device: str, compile_: str, seq: int) -> tuple[torch.nn.Module,
     return model, cfg.padded_vocab_size, 6.0 * matmul + attention
 
 
-def make_step(model: torch.nn.Module, device: str, optim: str = "adamw"):
+def make_step(model: torch.nn.Module, device: str, optim: str = "adamw", compile_loss: bool = False):
     """One optimizer step as ``trainer.precision=bf16-mixed`` runs it: ``step(tokens [B, T+1]) -> loss``.
     ``optim``: ``adamw`` (torch's fused AdamW on every parameter) or ``muon`` (``k3lit fit``'s ``optim.name=muon``
-    optimizer: Muon on the hidden matrices, the fused AdamW on the rest)."""
+    optimizer: Muon on the hidden matrices, the fused AdamW on the rest). ``compile_loss``: the loss compiled on
+    its own, as ``k3lit fit`` runs it beside a compiled model (:func:`k3lit.train.loss.compiled_next_token_loss`)."""
     if optim == "muon":
         opt = OptimConfig(name="muon", lr=3e-4).build(model, math.inf)[0]
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     amp = torch.autocast(device_type=device, dtype=torch.bfloat16)
+    loss_fn = compiled_next_token_loss() if compile_loss else next_token_loss
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
         with amp:
             logits = model(tokens[:, :-1])
         if isinstance(logits, tuple):  # K3LM returns (logits, states)
             logits = logits[0]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss = loss_fn(logits, tokens[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         update_balancers(model)
@@ -206,7 +208,7 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
         model, vocab = build_model(c, device, compile_), c.vocab_size
         flops_per_token, active = training_flops(c, batch, seq) / (batch * seq), active_matmul_params(c) / 1e6
     n_params = sum(p.numel() for p in model.parameters())
-    step = make_step(model, device, optim)
+    step = make_step(model, device, optim, compile_loss=compile_ != "none")
     x = torch.randint(0, vocab, (batch, seq + 1), device=device)
 
     t0 = time.perf_counter()

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric, SumMetric
@@ -19,6 +18,7 @@ from typing_extensions import override
 from k3lit import lightning_compat as compat
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import MoE
+from k3lit.train.loss import compiled_next_token_loss, next_token_loss
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
@@ -52,7 +52,8 @@ class K3LitModule(L.LightningModule):
         optim: optimizer and schedule (defaults of :class:`OptimConfig` when None).
         compile: ``torch.compile`` in :meth:`configure_model`, each sublayer on its own (regional compilation,
             :meth:`~k3lit.model.K3LM.compile_sublayers`; under a sharding strategy the FSDP2 hooks sit between
-            sublayers, as in torchtitan). None (default): on for one CUDA device without a sharding strategy, where
+            sublayers, as in torchtitan), and the loss on its own (:func:`k3lit.train.loss.compiled_next_token_loss`).
+            None (default): on for one CUDA device without a sharding strategy, where
             it pays (benchmarks/RESULTS.md, "Throughput"), off otherwise.
             Training steps only: validation runs the same modules eagerly
             (``torch.compiler.set_stance("force_eager")``), since a no-grad graph would compile a second time for
@@ -104,6 +105,7 @@ class K3LitModule(L.LightningModule):
         self._byte_table: torch.Tensor | None = None  # int64 [vocab] bytes per token id, from the datamodule
         self._train_started = time.monotonic()
         self._step_logs: list[tuple[Callable[[], dict[str, torch.Tensor]], bool]] = []  # see _log_step
+        self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss  # compiled with the model
         self.warmup_end_s: float | None = None  # the run's elapsed seconds when warm-up ended (max_time schedule)
         n_moe = len(self.model.moe_layers())
         if n_moe:
@@ -134,6 +136,7 @@ class K3LitModule(L.LightningModule):
                 self.model.compile(mode=self.compile_mode)
             else:
                 self.model.compile_sublayers(mode=self.compile_mode)
+            self._loss_fn = compiled_next_token_loss()  # outside the model's graphs: compiled on its own
             self._compiled = True
             rank_zero_info("k3lit: torch.compile on the " + ("whole model" if whole else "sublayers")
                            + ": the first steps compile it (--compile=false: eager)")
@@ -157,8 +160,7 @@ class K3LitModule(L.LightningModule):
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         x, y = batch[:, :-1], batch[:, 1:]
-        logits = self.model(x)[0]
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return self._loss_fn(self.model(x)[0], y)
 
     @override
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

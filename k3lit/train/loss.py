@@ -1,0 +1,38 @@
+"""The training loss: next-token cross-entropy over the LM head's logits, eager or compiled on its own."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["next_token_loss", "compiled_next_token_loss"]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy ``-(1/N) Σ_i log softmax(z_i)[y_i]`` over the ``N = B T`` positions, in nats,
+    with the log-softmax evaluated in float32 (float64 for float64 logits).
+
+    Args:
+        logits: ``[B, T, V]`` in any floating dtype (bf16 under autocast).
+        targets: ``[B, T]`` int64 token ids in ``[0, V)``.
+
+    Returns:
+        0-d float32 (float64 for float64 logits) tensor.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@functools.cache
+def compiled_next_token_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """:func:`next_token_loss` through ``torch.compile`` (one per process), as torchtitan compiles its loss.
+
+    Eagerly the loss materialises float32 copies of the ``[B T, V]`` logits (the upcast, the log-softmax and, in
+    backward, its gradient: 2 GB each for ``small``'s 32,768 x 16,384 logits) and casts the gradient back to the
+    logits' dtype in another pass. Inductor reads the bf16 logits once, upcasting in registers, keeps only the
+    per-row log-sum-exp for backward, and writes the gradient in the logits' dtype in one pass. The sums run in
+    another order, so the loss agrees with the eager one to float32 rounding and the gradient to the last bit of
+    its dtype (``tests/train/test_loss.py``)."""
+    return torch.compile(next_token_loss)
