@@ -14,7 +14,8 @@
 # fla; starts six fla compile workers beside the tests, twelve run a 140 GB H200 out of memory), fused ("KDA with
 # fused gate and q/k L2 norm"), accuracy ("KDA accuracy over draws"), first_call ("KDA first call"), attnres
 # ("Attention residuals × checkpointing (<GPU>, 300m, batch 8)"), mix ("Attention residuals: depth-mix kernel
-# (<GPU>)"), short_conv ("Short convolution (<GPU>)", with fla and the tiling sweep), moe ("MoE: experts and
+# (<GPU>)"), short_conv ("Short convolution (<GPU>)", with fla and the tiling sweep), kda_tuning ("KDA launch
+# settings (<GPU>)": the KDA op at `small`'s and kda.py's first shape under alternative launch settings), moe ("MoE: experts and
 # balancing overhead"), throughput ($LOGS/throughput_small.json; write its
 # section with `python benchmarks/throughput.py --from_json ...`), startup ("Start-up (<GPU>)": `small` on empty and
 # warm compile caches; prepares the python corpus first, about 95 s).
@@ -23,7 +24,7 @@ cd "$(git rev-parse --show-toplevel)"
 LOGS=${LOGS:-/tmp/k3lit-gpu}
 mkdir -p "$LOGS"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$LOGS/triton-cache}
-ALL="tests kda fused accuracy first_call attnres mix short_conv moe throughput startup"
+ALL="tests kda fused accuracy first_call attnres mix short_conv kda_tuning moe throughput startup"
 STEPS=" ${*:-$ALL} "
 t0=$(date +%s)
 stamp() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
@@ -68,6 +69,10 @@ fi
 if want short_conv; then
   timeout 420 python benchmarks/short_conv.py --sweep --json "$LOGS/short_conv.json" > "$LOGS/short_conv.log" 2>&1
   stamp "short_conv.py (rc $?)"
+fi
+if want kda_tuning; then
+  timeout 300 python benchmarks/kda_tuning.py --json "$LOGS/kda_tuning.json" > "$LOGS/kda_tuning.log" 2>&1
+  stamp "kda_tuning.py (rc $?)"
 fi
 if want moe; then
   timeout 300 python benchmarks/moe.py --json "$LOGS/moe.json" > "$LOGS/moe.log" 2>&1; stamp "moe.py (rc $?)"

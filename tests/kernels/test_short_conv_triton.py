@@ -40,11 +40,12 @@ def test_bf16_sums_in_float32(seed):
     assert rel_rms(short_conv_silu_triton(x, w)[0], reference(x, w)) < 4e-3
 
 
-@pytest.mark.parametrize("B,T,C", [(2, 70, 3 * 40), (1, 5, 3 * 64), (2, 33, 3 * 100)])
+@pytest.mark.parametrize("B,T,C", [(2, 70, 3 * 40), (1, 5, 3 * 64), (1, 9, 3 * 128), (2, 33, 3 * 100)])
 def test_three_parts_are_the_channel_groups_to_the_bit(seed, B, T, C):
     """KDA's q, k, v: the output as three contiguous channel groups and their gradients read where they are give
     what the one-tensor form gives for the joined tensors, bit for bit (the same sums; only where they are
-    stored differs), including channel groups that a program's channel tile straddles."""
+    stored differs): with 64-channel tiles inside one group (C / 3 = 64, 128: the base pointer picked once per tile)
+    and straddling two (C / 3 = 40, 100: a base pointer per channel)."""
     x = torch.randn(B, T, C, device=DEV).bfloat16().requires_grad_()
     w = torch.randn(C, 4, device=DEV).bfloat16().requires_grad_()
     dy = torch.randn(B, T, C, device=DEV).bfloat16()

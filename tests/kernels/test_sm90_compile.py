@@ -28,6 +28,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     kda_scans = {
         "KDA K=V=128": (*transposed_fwd, "_scan_bwd"),
         "KDA K=V=128, gate + q/k L2 norm fused": (*transposed_fwd, "_scan_bwd"),
+        "KDA K=V=64, gate + q/k L2 norm fused (`small`: B16 T2048 H12)": (*transposed_fwd, "_scan_bwd_t"),
         "KDA K=V=256": (*plain_fwd, "_scan_bwd"),
         "KDA K=V=128, float32 inputs (3xTF32 products)": (*plain_fwd, "_scan_bwd"),
         "KDA K=V=256, float32 inputs, B1 H96": (*plain_fwd, "_scan_bwd"),  # never transposed: 408 KB
@@ -45,6 +46,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {(f"KDA K=V=128, {s}", "_prep_fwd")
                  for s in ("inverse by substitution", "no backward, inverse by substitution", "no backward")}
     expected |= {("KDA K=V=128, pipeline segments", n) for n in ("_out_fwd", "_main_bwd")}
+    expected |= {("KDA K=V=64 (`small`), `_main_bwd` on 8 warps, `_prep_fwd` on 2", n)
+                 for n in ("_prep_fwd", "_main_bwd")}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd_p"),
                  ("short conv C=3072", "_bwd_dx")}

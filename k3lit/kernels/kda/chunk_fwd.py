@@ -62,8 +62,8 @@ def _exp_rebased(x, F32: tl.constexpr):
     G_last - G_r in :func:`_intra_chunk`. Triton's ``tl.exp`` is ``ex2.approx.f32`` of x log2(e), which ptxas wraps
     in a subnormal fix-up (a compare and two predicated multiplies around each ``MUFU.EX2``); for |x| <= 87 < 87.34
     every result is a normal float32, where ``ex2.approx.ftz.f32`` gives the same bits without the fix-up, so
-    ``_prep_fwd`` issues fewer instructions (``benchmarks/kda_sass.py`` counts them; benchmarks/RESULTS.md, "KDA launch
-    settings"). ``_main_bwd`` keeps ``tl.exp``: with the flushed form it spills more registers at K = 256
+    ``_prep_fwd`` issues fewer instructions (counted from its sm_90a machine code; docs/DECISIONS.md, "KDA
+    kernels"). ``_main_bwd`` keeps ``tl.exp``: with the flushed form it spills more registers at K = 256
     (``benchmarks/kernel_resources.py``). With ``F32`` (float32 inputs, and always under the interpreter, which runs
     no inline PTX) ``tl.exp``."""
     if F32:
@@ -246,7 +246,7 @@ def _wy_fwd(
     ``INV_BLOCK``-wide diagonal blocks (``INV_BLOCK - 1`` dependent steps, each two reductions over the ``[C, C]``
     tile), then doubled up to C with products. Launched with one warp, so the reductions never cross warps (no
     shared-memory exchange and no barrier per step), which on the H200 outweighs the parallelism of more warps
-    (``benchmarks/kda_breakdown.py``; benchmarks/RESULTS.md, "KDA launch settings")."""
+    (docs/DECISIONS.md, "KDA kernels")."""
     i_h, t0, n_valid, rows, m_t, tok = _chunk_program(cu, cidx, C)
     L = tl.load(Mi + _cc_offsets(tok, i_h, rows, H, C), mask=m_t[:, None], other=0.0)
     _wy_chunk(L, v, beta, Mi, W, U, i_h, rows, m_t, tok, H, K, V, C, BK, BV, F32, SAVE, INV_BLOCK)

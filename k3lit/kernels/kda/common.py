@@ -58,7 +58,7 @@ def _dot_aq(a, b, F32: tl.constexpr):
     """``a @ b`` for the products that form Aq (intra-chunk query-key scores) and those that use it, on operands
     TF32 holds exactly: Aq is stored rounded to TF32 (:func:`_tf32`), its partners are bf16 (Delta, dO) or rounded
     by the caller. TF32's mantissa is 8x finer than bfloat16's, and in bf16 these roundings would make most of the
-    output's error (``benchmarks/kda_rounding.py`` replays the forward in float64 with each rounding switchable;
+    output's error (a float64 replay of the forward with each rounding switchable;
     docs/DECISIONS.md). Also the backward's pair terms (dAq, dA and the
     rebased K, Q, rounded by the caller; ``_main_bwd``). 3xTF32 for float32 inputs."""
     if F32:
@@ -177,9 +177,9 @@ def _g_last_of(Gc, bos, eos, it, ok, i_h, rk, m_k, H: tl.constexpr, K: tl.conste
     """:func:`_g_last` of chunk ``it`` of the sequence ``[bos, eos)`` where ``ok``, else zeros (nothing read).
     The scans load it one chunk ahead of its use: it is their only per-chunk load that the software pipeliner
     leaves as a plain global load (the matrix operands go through asynchronous copies to shared memory), and
-    loaded where it is used its wait dominates the scan's stalls (Nsight Compute; benchmarks/RESULTS.md, "KDA launch
-    settings"). Each trip starts by taking the exponential of the value loaded on the trip before, so that the
-    machine code first reads the loaded register one trip after the load (``benchmarks/kda_sass.py --scan`` checks
-    it): a copy of it into the next trip's register, which ptxas places mid-trip, would wait for the load."""
+    loaded where it is used its wait dominates the scan's stalls (Nsight Compute; docs/DECISIONS.md, "KDA
+    kernels"). Each trip starts by taking the exponential of the value loaded on the trip before, so that the
+    machine code first reads the loaded register one trip after the load (checked in its sm_90a machine
+    code): a copy of it into the next trip's register, which ptxas places mid-trip, would wait for the load."""
     t0 = bos + it * C
     return _g_last(Gc, t0, tl.minimum(eos - t0, C), i_h, rk, m_k & ok, H, K)

@@ -2,7 +2,8 @@
 dtypes. No autotuning: every choice is a fixed function of K, V, the dtype, the number of sequence-heads and the
 GPU's SM count, never of T, so a new sequence length or batch size reuses the compiled kernels. ``TUNING`` holds
 the settings; the rules that ``"auto"`` applies (:func:`_scan_plan`, :func:`_plain_out_fused`, :func:`_segments`)
-come from H200 sweeps, benchmarks/RESULTS.md, "KDA launch settings" (``benchmarks/kda_breakdown.py --sweep``).
+come from H200 timings (docs/DECISIONS.md, "KDA kernels"); ``benchmarks/kda_tuning.py`` times alternatives side by
+side (benchmarks/RESULTS.md, "KDA launch settings").
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import os
 import torch
 import triton
 
-#: Launch settings; each default is the fastest alternative timed on the H200 (benchmarks/RESULTS.md, "KDA launch
-#: settings"; ``benchmarks/kda_breakdown.py --sweep`` times the alternatives).
+#: Launch settings; each default is the fastest alternative timed on the H200 (docs/DECISIONS.md, "KDA kernels";
+#: ``benchmarks/kda_tuning.py`` times alternatives).
 #: ``fwd_scan`` / ``bwd_scan``: ``"plain"`` keeps a scan's state as ``[BK, BV]`` (:func:`_scan_fwd` + :func:`_out_fwd`,
 #: :func:`_scan_bwd`), ``"transposed"`` as ``[BV, BK]`` (:func:`_scan_fwd_t`, which writes the output itself,
 #: :func:`_scan_bwd_t`), ``"auto"`` picks by :func:`_scan_plan`; ``fwd_bv`` / ``bwd_bv``: value columns per scan
@@ -84,7 +85,7 @@ def _plain_out_fused(save: bool, K: int, V: int, dtype: torch.dtype) -> bool:
     :func:`_out_fwd`'s reading back of every per-chunk state, and the scan then stores neither the states nor
     Delta, a faster forward. With a backward to follow the scan must store them anyway and its longer trips cost
     more than :func:`_out_fwd` saves. Not taken at K or V > 128, where the fused scan needs 255 registers and is
-    slower, nor for float32 inputs (not timed). H200 timings: benchmarks/RESULTS.md, "KDA launch settings"."""
+    slower, nor for float32 inputs (not timed). H200 timings: docs/DECISIONS.md, "KDA kernels"."""
     mode = TUNING["fwd_plain_out"]
     if mode == "auto":
         return not save and _plain_out_shapes(K, V, dtype)
@@ -97,7 +98,7 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: b
     heads, with float32 matrix operands when ``F32``; ``save=False``: a forward with no backward to follow.
 
     The scans are latency-bound: one program per (sequence, head, value block) walks all chunks in order. Rule
-    from H200 timings (benchmarks/RESULTS.md, "KDA launch settings"): the transposed state in 64-wide value
+    from H200 timings (docs/DECISIONS.md, "KDA kernels"): the transposed state in 64-wide value
     blocks (fewer, shorter steps) once there are enough programs for it, NH >= 64 forward and NH >= 96 backward;
     else the plain state in 32-wide blocks, 16-wide for the forward when even 16-wide ones leave SMs idle (B1 H16:
     128 programs on 132 SMs; at B2 H16 the 256 programs of 16-wide blocks share SMs and 32-wide ones are faster).
@@ -132,7 +133,7 @@ def _segments(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tens
     reverse scan is one long latency-bound chain beside little other work, B·H <= 16 and at least 512 chunks a
     sequence (T >= 16384 at C = 32), and never forward segments: with the forward scans loading G_last a chunk
     ahead (``common._g_last_of``), the forward without segments is faster or within 1% at every shape timed but
-    one, eagerly and replayed from a CUDA graph (H200 timings: benchmarks/RESULTS.md, "KDA launch settings")."""
+    one, eagerly and replayed from a CUDA graph (H200 timings: docs/DECISIONS.md, "KDA kernels")."""
     P = TUNING[which + "_segments"]
     n = triton.cdiv(T, C)
     if P == "auto":

@@ -18,7 +18,8 @@ transposes: the projections produce ``[B, T, C]`` and the KDA op consumes it.
 With ``parts = 3`` (KDA's fused q, k, v) ``y`` comes as three contiguous ``[B, T, C / 3]`` tensors, channel
 groups ``[0, C/3)``, ``[C/3, 2C/3)``, ``[2C/3, C)``, and ``dy`` is read from three such tensors: the KDA op takes
 q, k and v contiguous and returns their gradients apart, so neither the forward's split nor the backward's join
-copies them. Each channel's base pointer is picked from the three, so a tile may straddle two groups.
+copies them. A tile takes its part's base pointer once when C / 3 is a multiple of its width (KDA's head widths);
+otherwise each channel's base pointer is picked from the three, so a tile may straddle two groups.
 """
 
 from __future__ import annotations
@@ -47,27 +48,26 @@ def _pre(x_ptr, w_ptr, b, t, c, T, C, W: tl.constexpr):
 
 
 @triton.jit
-def _parts_offsets(b, t, c, T, C, PARTS: tl.constexpr):
-    """Offsets ``[BT, BC]`` of ``(b, t, c)`` in ``[B, T, C]`` (``PARTS = 1``), or in the part ``[B, T, C / 3]`` that
-    holds channel c, with each element's part ``[BC]`` (``PARTS = 3``)."""
+def _part_ptrs(ptr0, ptr1, ptr2, b, t, c, c0, T, C, PARTS: tl.constexpr, STRADDLE: tl.constexpr):
+    """Pointers ``[BT, BC]`` to ``(b, t, c)`` in ``[B, T, C]`` at ``ptr0`` (``PARTS = 1``), or in the part
+    ``[B, T, C / 3]`` that holds channel c (``PARTS = 3``). A tile whose channels all lie in one part (``STRADDLE``
+    false: C / 3 a multiple of the tile's width) picks that part's base pointer once, from its first channel ``c0``;
+    one that may straddle two parts picks a base per channel (more registers: 64-bit pointers per column)."""
     if PARTS == 1:
-        return (b * T + t)[:, None] * C + c[None, :], c * 0
+        return ptr0 + (b * T + t)[:, None] * C + c[None, :]
     cp = C // 3
-    part = c // cp
-    return (b * T + t)[:, None] * cp + (c - part * cp)[None, :], part
-
-
-@triton.jit
-def _part_base(ptr0, ptr1, ptr2, part, PARTS: tl.constexpr):
-    """The base pointer ``[BC]`` of each channel's part (``ptr0`` for all with ``PARTS = 1``)."""
-    if PARTS == 1:
-        return ptr0 + part * 0
-    return tl.where(part == 0, ptr0, tl.where(part == 1, ptr1, ptr2))
+    if STRADDLE:
+        part = c // cp
+        base = tl.where(part == 0, ptr0, tl.where(part == 1, ptr1, ptr2))
+        return base[None, :] + ((b * T + t)[:, None] * cp + (c - part * cp)[None, :])
+    part = c0 // cp
+    base = tl.where(part == 0, ptr0, tl.where(part == 1, ptr1, ptr2))
+    return base + ((b * T + t)[:, None] * cp + (c - part * cp)[None, :])
 
 
 @triton.jit
 def _fwd(x_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-         BIG: tl.constexpr, PARTS: tl.constexpr):
+         BIG: tl.constexpr, PARTS: tl.constexpr, STRADDLE: tl.constexpr):
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
         b = b.to(tl.int64)
@@ -76,13 +76,12 @@ def _fwd(x_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, W: tl.constexpr, BT: tl.cons
     pre = _pre(x_ptr, w_ptr, b, t, c, T, C, W)
     y = (pre * tl.sigmoid(pre)).to(y_ptr.dtype.element_ty)
     m = (t < T)[:, None] & (c < C)[None, :]
-    off, part = _parts_offsets(b, t, c, T, C, PARTS)
-    tl.store(_part_base(y_ptr, y1_ptr, y2_ptr, part, PARTS)[None, :] + off, y, mask=m)
+    tl.store(_part_ptrs(y_ptr, y1_ptr, y2_ptr, b, t, c, pc * BC, T, C, PARTS, STRADDLE), y, mask=m)
 
 
 @triton.jit
 def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr,
-           BC: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
+           BC: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr, STRADDLE: tl.constexpr):
     """``p = dy · silu'(pre)`` (float32, stored) and this program's ``dw`` partial ``Σ_s p[s] x[s - (W-1) + j]``."""
     pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if BIG:  # B T C >= 2^31: element offsets (b T + t) C in int64 (costs registers, so only then)
@@ -91,9 +90,11 @@ def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: 
     c = pc * BC + tl.arange(0, BC)
     cmask = c < C
     m = (s < T)[:, None] & cmask[None, :]
+    # dy first: its pointers are dead before pre's are formed (sm_90a, triton 3.6: 160 registers a thread at 64 x 64
+    # tiles, 3 blocks an SM, against 188 and 2 with pre first; benchmarks/kernel_resources.py)
+    dy = tl.load(_part_ptrs(dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, PARTS, STRADDLE), mask=m,
+                 other=0.0).to(tl.float32)
     pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
-    off, part = _parts_offsets(b, s, c, T, C, PARTS)
-    dy = tl.load(_part_base(dy_ptr, dy1_ptr, dy2_ptr, part, PARTS)[None, :] + off, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(pre)
     p = dy * sig * (1.0 + pre * (1.0 - sig))
     tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=m)
@@ -124,6 +125,11 @@ def _bwd_dx(p_ptr, w_ptr, dx_ptr, T, C, W: tl.constexpr, BT: tl.constexpr, BC: t
     tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
 
 
+def _straddle(C: int, parts: int, bc: int) -> bool:
+    """Whether a tile of ``bc`` channels may hold channels of two parts (``C / 3`` not a multiple of ``bc``)."""
+    return parts == 3 and (C // 3) % bc != 0
+
+
 def conv_fwd(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> list[torch.Tensor]:
     """``x [B, T, C]`` contiguous, ``w [C, W]`` -> ``y = silu(causal_conv(x, w))`` in x's dtype: ``[y]``
     (``[B, T, C]``) for ``parts = 1``, its three channel groups ``[B, T, C / 3]`` (each contiguous) for 3."""
@@ -132,7 +138,7 @@ def conv_fwd(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> list[torch.Ten
     bt, bc, warps = TUNING["fwd"]
     grid = (triton.cdiv(T, bt), triton.cdiv(C, bc), B)
     _fwd[grid](x, w, *(ys * 3)[:3], T, C, W=w.shape[1], BT=bt, BC=bc, BIG=x.numel() >= 2**31, PARTS=parts,
-               num_warps=warps)
+               STRADDLE=_straddle(C, parts, bc), num_warps=warps)
     return ys
 
 
@@ -147,7 +153,7 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dys: list[torch.Tensor]) -> tuple
     p = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
     dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
     _bwd_p[(nt, triton.cdiv(C, bc), B)](x, w, *(dys * 3)[:3], p, dw_part, T, C, W=W, BT=bt, BC=bc, BIG=big,
-                                        PARTS=len(dys), num_warps=warps)
+                                        PARTS=len(dys), STRADDLE=_straddle(C, len(dys), bc), num_warps=warps)
     dx = torch.empty_like(x)
     bt, bc, warps = TUNING["bwd_dx"]
     _bwd_dx[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](p, w, dx, T, C, W=W, BT=bt, BC=bc, BIG=big,
