@@ -5,6 +5,8 @@
     python benchmarks/profile_step.py --size 300m --grid residual=plain,block_attnres \\
         activation_checkpointing=none,block --out prof/                              # 4 configurations
     python benchmarks/profile_step.py --recipe recipes/small.yaml --trace trace.json  # Chrome/Perfetto trace
+    python benchmarks/profile_step.py --recipe recipes/small.yaml recipes/small_plain.yaml --compile sublayers \
+        --write                                        # device time by kernel group, side by side, in RESULTS.md
 
 ``--size`` takes the model, batch and sequence length of ``benchmarks/attnres.py``'s SIZES (``300m``: the issue-5
 model); ``--set`` overrides ModelConfig fields for every configuration, ``--grid`` runs every combination of the
@@ -19,7 +21,11 @@ listed values. Per configuration it prints:
   TorchDispatchMode over one extra step; views counted apart), device kernels, kernel-launch API calls, and
   those per sublayer; copies, pinned allocations and synchronisations per step (the profiled loop ends with
   one ``torch.cuda.synchronize``);
-* the operators with the most self CPU time and, on GPUs, the most self device time (``--rows`` each).
+* the operators with the most self CPU time and, on GPUs, the most self device time (``--rows`` each);
+* on GPUs, after the last configuration, every run's device time per step by kernel group (:data:`KERNEL_GROUPS`:
+  KDA, short convolution, AttnRes, GEMMs, grouped GEMMs, attention, cross-entropy, routing, optimizer, inductor's
+  kernels, the rest) side by side; ``--write`` puts that table in RESULTS.md (section "Where the training step's
+  time goes").
 
 With ``--out DIR`` each configuration's full tables (60 rows) go to ``DIR/<config>.txt``, and ``DIR/summary.json``
 collects the summary lines. The step is ``benchmarks/throughput.py``'s (bf16 autocast, float32 weights, fused
@@ -46,13 +52,46 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnres import SIZES  # noqa: E402
+from results import command, environment, write_section  # noqa: E402
 from throughput import COMPILE, build_model, make_step, recipe_config  # noqa: E402
 
+from k3lit.kernels.launches import (  # noqa: E402
+    ATTN_RES_MIX_KERNELS,
+    ATTN_RES_TWO_PHASE_KERNELS,
+    KDA_BWD_KERNELS,
+    KDA_FWD_KERNELS,
+    SHORT_CONV_KERNELS,
+)
 from k3lit.model import ModelConfig  # noqa: E402
 
 LAUNCH = "LaunchKernel"  # in cudaLaunchKernel, cuLaunchKernel, cuLaunchKernelEx, cudaLaunchKernelExC
 # host-side CUDA API calls worth counting: copies, pinned allocations, and anything that waits for the device
 API_CALLS = ("Memcpy", "HostAlloc", "Synchronize")
+
+
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    # (group, exact kernel names, substrings), the first match wins
+    ("KDA", (*KDA_FWD_KERNELS, *KDA_BWD_KERNELS, "_fused_recurrent_fwd"), ()),
+    ("short convolution", SHORT_CONV_KERNELS, ()),
+    ("AttnRes", (*ATTN_RES_TWO_PHASE_KERNELS, *ATTN_RES_MIX_KERNELS), ()),
+    ("cross-entropy", (), ("log_softmax", "nll_loss", "SoftMax")),
+    ("softmax attention", (), ("sdpa", "flash", "fmha", "attention")),
+    ("grouped GEMM (MoE experts)", (), ("cutlass13device_kernel", "GroupedGemm", "grouped_gemm")),
+    ("GEMM (projections, LM head)", (), ("nvjet", "gemm", "xmma", "cutlass")),
+    ("routing: top-k and sort", (), ("topk", "TopK", "sort", "Sort", "radix")),
+    ("optimizer", (), ("multi_tensor_apply", "adam", "Adam")),
+    ("inductor's fused kernels (norms, gates, casts)", (), ("triton_",)),
+)
+OTHER_KERNELS = "other aten kernels (copies, reductions, scatters)"
+
+
+def kernel_group(name: str) -> str:
+    """The :data:`KERNEL_GROUPS` group of a device kernel, by its name in the profiler (a Triton kernel's JIT
+    function name, inductor's ``triton_*`` names, cuBLAS's ``nvjet_*``, ...); :data:`OTHER_KERNELS` for the rest."""
+    for group, names, parts in KERNEL_GROUPS:
+        if name in names or any(p in name for p in parts):
+            return group
+    return OTHER_KERNELS
 
 
 def overrides(pairs: list[str]) -> dict:
@@ -163,6 +202,9 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         "api_calls": {e.key: e.count / steps for e in cpu_ops if any(c in e.key for c in API_CALLS)},
         "sublayers": n_sub,
         "top_dispatched": counter.counts.most_common(12),
+        "kernel_groups": _grouped_ms(kernels, steps) if kernels else None,
+        "batch": batch,
+        "seq": seq,
     }
     if trace:
         prof.export_chrome_trace(trace)
@@ -179,6 +221,42 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"summary": summary, "short": "\n".join(short), "full": "\n\n".join(full)}
+
+
+def _grouped_ms(kernels: list, steps: int) -> dict[str, float]:
+    """Device milliseconds per step of each kernel group (:func:`kernel_group`), largest first."""
+    ms: dict[str, float] = collections.Counter()
+    for e in kernels:
+        ms[kernel_group(e.key)] += e.self_device_time_total / steps / 1e3
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+
+def side_by_side(runs: list[tuple[str, dict]]) -> str:
+    """Device ms per step by kernel group, one column per profiled run (``(name, summary)``), the groups in the first
+    run's order; the last rows: all kernels and the step's wall time."""
+    groups = list(runs[0][1]["kernel_groups"])
+    groups += [g for _, s in runs[1:] for g in s["kernel_groups"] if g not in groups]
+    lines = ["| kernels | " + " | ".join(f"`{name}` ms" for name, _ in runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    for g in groups:
+        lines.append(f"| {g} | " + " | ".join(f"{s['kernel_groups'].get(g, 0.0):.2f}" for _, s in runs) + " |")
+    lines.append("| all device kernels (kernels a step) | " + " | ".join(
+        f"{s['device_ms']:.1f} ({s['kernels']:.0f})" for _, s in runs) + " |")
+    lines.append("| step wall time | " + " | ".join(f"{s['wall_ms']:.1f}" for _, s in runs) + " |")
+    return "\n".join(lines)
+
+
+SECTION = "Where the training step's time goes"
+
+
+def section(runs: list[tuple[str, dict]], compile_: str) -> str:
+    """RESULTS.md's section: how the runs were made, then :func:`side_by_side`."""
+    shapes = ", ".join(f"`{name}` {s['batch']} x {s['seq']}" for name, s in runs)
+    return (f"Written by `benchmarks/profile_step.py`. {environment()}. Command: {command()}. Device milliseconds per "
+            f"optimizer step by kernel group (the profiler's self device time of every kernel, grouped by name: "
+            f"`profile_step.kernel_group`), each run's own batch x tokens ({shapes}), compile `{compile_}`, the "
+            "step of `benchmarks/throughput.py` (bf16 autocast, float32 weights, fused AdamW, clipping, balancer "
+            "update; the loss compiled with a compiled model). Step wall time without the profiler, median.\n\n"
+            + side_by_side(runs))
 
 
 def headline(s: dict, batch: int, seq: int) -> str:
@@ -228,7 +306,8 @@ def comparison(summaries: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default="recipes/small.yaml")
+    p.add_argument("--recipe", nargs="+", default=["recipes/small.yaml"],
+                   help="one or more recipes (each with its own batch and length), profiled one after another")
     p.add_argument("--size", choices=list(SIZES), help="model, batch and length of benchmarks/attnres.py instead")
     p.add_argument("--set", nargs="*", default=[], help="ModelConfig overrides, field=value")
     p.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ...: every combination, one after another")
@@ -240,29 +319,41 @@ def main() -> None:
     p.add_argument("--trace", help="also write a Chrome trace here (the last configuration's)")
     p.add_argument("--compile", choices=COMPILE, default="none", help="as benchmarks/throughput.py's --compile")
     p.add_argument("--optim", choices=["adamw", "muon"], default="adamw", help="as benchmarks/throughput.py's --optim")
+    p.add_argument("--write", action="store_true",
+                   help="write the device time by kernel group, the runs side by side, to RESULTS.md's section "
+                        f"{SECTION!r} (GPU runs only)")
     a = p.parse_args()
+    bases = []  # (name, config, batch, seq)
     if a.size:
         spec = SIZES[a.size]
-        base, batch, seq = spec["cfg"], a.batch or spec["batch"], a.seq or spec["seq"]
+        bases.append((a.size, spec["cfg"], a.batch or spec["batch"], a.seq or spec["seq"]))
     else:
-        base, data = recipe_config(Path(a.recipe), None)
-        batch, seq = a.batch or int(data.get("batch_size", 16)), a.seq or int(data.get("seq_len", 2048))
-    base = dataclasses.replace(base, **overrides(a.set))
+        for recipe in a.recipe:
+            cfg, data = recipe_config(Path(recipe), None)
+            bases.append((Path(recipe).stem, cfg, a.batch or int(data.get("batch_size", 16)),
+                          a.seq or int(data.get("seq_len", 2048))))
     out = Path(a.out) if a.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    summaries = []
-    for over in grid(a.grid):
-        cfg = dataclasses.replace(base, **over)
+    summaries, runs = [], []
+    for (stem, base, batch, seq), over in itertools.product(bases, grid(a.grid)):
+        cfg = dataclasses.replace(base, **overrides(a.set), **over)
         r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace, a.compile, a.optim)
         print(headline(r["summary"], batch, seq), r["short"], "", sep="\n", flush=True)
+        name = "_".join([stem] * (len(bases) > 1) + [f"{k}-{v}" for k, v in over.items()]) or "config"
         if out:
-            name = "_".join(f"{k}-{v}" for k, v in over.items()) or "config"
             (out / f"{name}.txt").write_text(headline(r["summary"], batch, seq) + "\n\n" + r["full"] + "\n")
         summaries.append(r["summary"])
+        runs.append((name, r["summary"]))
     print(comparison(summaries))
     if out:
         (out / "summary.json").write_text(json.dumps(summaries, indent=1))
+    if all(s["kernel_groups"] for s in summaries):
+        print(side_by_side(runs))
+        if a.write:
+            write_section(SECTION, section(runs, a.compile))
+    elif a.write:
+        raise SystemExit("--write: no device kernels were profiled (run it on a GPU)")
 
 
 if __name__ == "__main__":

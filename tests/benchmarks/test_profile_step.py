@@ -32,3 +32,47 @@ def test_profile_counts_ops_and_recomputation():
     assert "CheckpointFunctionBackward" not in plain["full"]
     head = profile_step.headline(block["summary"], 1, 16)
     assert head.startswith("== block_attnres / block (S=2)") and "dispatched ops" in head
+
+
+def _kernel_rows() -> dict[str, float]:
+    """Kernel rows (no host time of their own) of the H200 profile of ``small`` stored in benchmarks/: name -> ms."""
+    text = (Path(__file__).parents[2] / "benchmarks" / "profile_small_h200.txt").read_text()
+    rows = {}
+    for line in text.split("by self device time:")[1].splitlines()[2:]:
+        *name, calls, cpu_ms, dev_ms = line.split()
+        if float(cpu_ms) == 0 and not " ".join(name).startswith("Optimizer.step"):
+            rows[" ".join(name)] = float(dev_ms)
+    return rows
+
+
+def test_every_kernel_of_a_profiled_h200_step_falls_in_its_group():
+    rows = _kernel_rows()
+    groups = {name: profile_step.kernel_group(name) for name in rows}
+    expect = {"_main_bwd": "KDA", "_prep_fwd": "KDA", "_scan_fwd_t": "KDA", "_bwd_p": "short convolution",
+              "_fwd": "short convolution", "_inter_bwd_sources": "AttnRes", "_merge_fwd": "AttnRes",
+              "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "GEMM (projections, LM head)",
+              "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_": "GEMM (projections, LM head)",
+              "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_ker": "grouped GEMM (MoE experts)",
+              "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f1": "softmax attention",
+              "void at::native::(anonymous namespace)::cunn_SoftMaxBackwa": "cross-entropy",
+              "void at::native::sbtopk::gatherTopK<float, unsigned int, 2": "routing: top-k and sort",
+              "void at::native::(anonymous namespace)::multi_tensor_apply": "optimizer",
+              "triton_poi_fused_short_conv_bwd_stack_view_38": "inductor's fused kernels (norms, gates, casts)",
+              "void at::native::reduce_kernel<128, 4, at::native::ReduceO": profile_step.OTHER_KERNELS}
+    assert {name: groups[name] for name in expect} == expect
+    # the 12.7 ms of _main_bwd, 4.6 of _prep_fwd, 1.6 + 1.0 of the scans: KDA's kernels as RESULTS.md counts them
+    kda = sum(ms for name, ms in rows.items() if groups[name] == "KDA")
+    assert abs(kda - (12.73 + 4.57 + 1.58 + 1.03)) < 1e-6
+
+
+def test_runs_side_by_side_by_kernel_group():
+    a = {"kernel_groups": {"KDA": 20.0, "GEMM (projections, LM head)": 18.0}, "device_ms": 38.0, "kernels": 900,
+         "wall_ms": 41.5}
+    b = {"kernel_groups": {"GEMM (projections, LM head)": 16.0, "softmax attention": 4.0}, "device_ms": 20.0,
+         "kernels": 400, "wall_ms": 22.3}
+    lines = profile_step.side_by_side([("small", a), ("small_plain", b)]).splitlines()
+    assert lines[0] == "| kernels | `small` ms | `small_plain` ms |"
+    assert lines[2:] == ["| KDA | 20.00 | 0.00 |", "| GEMM (projections, LM head) | 18.00 | 16.00 |",
+                         "| softmax attention | 0.00 | 4.00 |",
+                         "| all device kernels (kernels a step) | 38.0 (900) | 20.0 (400) |",
+                         "| step wall time | 41.5 | 22.3 |"]
