@@ -29,7 +29,7 @@ Balancer life cycle (docs/MATH.md §2):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -456,7 +456,7 @@ class MoE(nn.Module):
         """
         if not (self._balances or self._quantile_capacity):
             return
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        distributed = self._distributed()
         if not distributed and self._pending_batches == 0:
             return
         pooled = distributed and self.sync_every is None  # else: this rank's statistics alone
@@ -474,6 +474,20 @@ class MoE(nn.Module):
             state /= dist.get_world_size(self.process_group)
             self.expert_bias.copy_(state[: self.n_experts])
             self.capacity_threshold.copy_(state[self.n_experts:])
+
+    def _distributed(self) -> bool:
+        """Whether :attr:`process_group` (the default group when None) spans more than this process."""
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+
+    def _alone_quantile_key(self) -> tuple | None:
+        """For an update that is the exact quantile of this process's own recorded scores (``quantile`` balancer, one
+        process, no quantile capacity mode, a float32 bias): what must match for layers to share one batched
+        quantile (:func:`update_balancers`); None for any other update."""
+        if (self.balancer != "quantile" or self._quantile_capacity or not self._pending_scores
+                or self.expert_bias.dtype != torch.float32 or self._distributed()):
+            return None
+        rows = sum(s.shape[0] for s in self._pending_scores)
+        return self.n_experts, self.top_k, self.quantile_rate, rows, self.expert_bias.device
 
     def _bias_estimate(self, pooled: bool) -> torch.Tensor | None:
         """The next bias from the recorded statistics (this rank's, or every rank's when ``pooled``); None: keep."""
@@ -583,8 +597,39 @@ def _all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     return torch.cat([p[:s] for p, s in zip(parts, sizes, strict=True)])
 
 
-def update_balancers(model: nn.Module) -> None:
-    """Call :meth:`MoE.update_balancer` on every MoE inside ``model`` (once per optimizer step)."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.update_balancer()
+def update_balancers(model: nn.Module | Iterable[MoE]) -> None:
+    """:meth:`MoE.update_balancer` for every MoE inside ``model`` (a module, or the MoE layers themselves), once per
+    optimizer step.
+
+    Layers whose update is the exact quantile of this process's own scores (``quantile`` balancer, one process,
+    the same experts, k, rate and recorded tokens) are updated together: :func:`k3lit.ops.routing.quantile_bias`
+    over their stacked ``[L, m, n]`` scores, one top-k and one sort for all of them, and one multi-tensor copy of
+    the biases. Each layer gets the bias its own update gives (``tests/nn/test_balancers_together.py``), and the
+    host issues far fewer operators: 36 instead of 253 for 11 layers of two micro-batches each (``small`` has 11).
+    Every other layer updates on its own, in order.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoE)] if isinstance(model, nn.Module) else list(model)
+    together: dict[tuple, list[MoE]] = {}
+    for moe in layers:
+        key = moe._alone_quantile_key()
+        if key is None:
+            moe.update_balancer()
+        else:
+            together.setdefault(key, []).append(moe)
+    for group in together.values():
+        if len(group) == 1:
+            group[0].update_balancer()
+        else:
+            _update_quantile_together(group)
+
+
+@torch.no_grad()
+def _update_quantile_together(layers: list[MoE]) -> None:
+    """:meth:`MoE.update_balancer` of layers with equal :meth:`MoE._alone_quantile_key`, as one batched quantile."""
+    bias = torch.stack([m.expert_bias for m in layers])  # [L, n]
+    scores = torch.stack([torch.cat(m._pending_scores) for m in layers]).to(bias.device)  # [L, m, n]
+    new_bias = sliding_average(bias, quantile_bias(scores, bias, layers[0].top_k), layers[0].quantile_rate)
+    torch._foreach_copy_([m.expert_bias for m in layers], list(new_bias.unbind(0)))
+    torch._foreach_add_([m.balancer_step for m in layers], 1)
+    for m in layers:
+        m.reset_balancer_stats()

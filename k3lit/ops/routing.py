@@ -102,35 +102,47 @@ def quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, *, center: b
     ``scores`` must hold *all* tokens of the optimizer step (all micro-batches, all ranks): this is the
     pooled quantile, not an average of per-batch quantiles. The new bias is meant for the next step.
 
+    Leading dimensions batch independent problems (e.g. every MoE layer of a model at once): each ``[m, n]`` slice
+    of ``scores`` with its ``[n]`` slice of ``bias`` gives what it gives alone, in one top-k and one sort for all.
+
     Args:
-        scores: ``[m, n]`` router scores (float32; detached is fine, no gradient is taken).
-        bias: ``[n]`` float32 bias that routed these tokens.
+        scores: ``[..., m, n]`` router scores (float32; detached is fine, no gradient is taken).
+        bias: ``[..., n]`` float32 bias that routed these tokens.
         k: experts per token, ``1 <= k < n`` (the (k+1)-th value must exist).
         center: subtract the mean (default, as in the reference); ``False`` returns the raw quantiles
             that hit ``round(q)`` against the current ``alpha`` (for tests).
 
     Returns:
-        ``[n]`` float32 new bias.
+        ``[..., n]`` float32 new bias.
+
+    Raises:
+        ValueError: scores not ``[..., m, n]`` with a bias of ``[..., n]``, or k outside ``[1, n - 1]``.
     """
-    _check_scores_bias(scores, bias, k, scores.shape[1] - 1)
-    m, n = scores.shape
+    if scores.dim() < 2:
+        raise ValueError(f"scores must be [..., m, n], got shape {tuple(scores.shape)}")
+    if bias.shape != scores.shape[:-2] + scores.shape[-1:]:
+        raise ValueError(f"bias must be [..., n] = {list(scores.shape[:-2] + scores.shape[-1:])} for scores of shape "
+                         f"{tuple(scores.shape)}, got shape {tuple(bias.shape)}")
+    m, n = scores.shape[-2:]
+    if not 1 <= k <= n - 1:
+        raise ValueError(f"k must satisfy 1 <= k <= {n - 1} for n = {n} experts, got k = {k}")
     if m == 0:
         return bias.detach().float().clone()
     with torch.no_grad():
         s = scores.detach().float()
-        alpha = (s + bias.float()).topk(k + 1, dim=-1).values[:, -1]  # [m]
-        required = alpha[:, None] - s  # [m, n]
+        alpha = (s + bias.float().unsqueeze(-2)).topk(k + 1, dim=-1).values[..., -1]  # [..., m]
+        required = alpha.unsqueeze(-1) - s  # [..., m, n]
         pos = min(max(m * k / n - 0.5, 0.0), m - 1.0)
         lo = math.floor(pos)
         hi = min(lo + 1, m - 1)
         frac = pos - lo
         # one segmented sort of the n contiguous columns: the same order statistics as kthvalue per column,
         # several times faster on GPUs (kthvalue along a strided dim 0 runs one selection per column)
-        ordered = required.T.contiguous().sort(dim=-1).values  # [n, m]
-        r_lo, r_hi = ordered[:, lo], ordered[:, hi]
+        ordered = required.transpose(-1, -2).contiguous().sort(dim=-1).values  # [..., n, m]
+        r_lo, r_hi = ordered[..., lo], ordered[..., hi]
         new_bias = r_lo + frac * (r_hi - r_lo)
         if center:
-            new_bias = new_bias - new_bias.mean()
+            new_bias = new_bias - new_bias.mean(dim=-1, keepdim=True)
     return new_bias.float()
 
 

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from k3lit import lightning_compat as compat
 from k3lit.model import K3LM, ModelConfig
-from k3lit.nn.moe import MoE
+from k3lit.nn.moe import MoE, update_balancers
 from k3lit.train.loss import compiled_next_token_loss, next_token_loss
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
@@ -213,8 +213,7 @@ class K3LitModule(L.LightningModule):
         sync: Lightning turns logged values into numbers when it writes them (every ``log_every_n_steps``); the
         progress displays read theirs on those steps too (:func:`k3lit.train.progress.shown_metrics`)."""
         moes = self.model.moe_layers()
-        for moe in moes:
-            moe.update_balancer()
+        update_balancers(moes)
         if moes and self.train_load.update_called:  # a Python count of this rank's updates: no host sync
             # MaxVio_batch over the whole optimizer-step batch: all micro-batches, all ranks (synced in compute)
             stats = self.train_load.compute()
