@@ -15,8 +15,8 @@
 # fused gate and q/k L2 norm"), accuracy ("KDA accuracy over draws"), first_call ("KDA first call"), attnres
 # ("Attention residuals × checkpointing (<GPU>, 300m, batch 8)"), mix ("Attention residuals: depth-mix kernel
 # (<GPU>)"), short_conv ("Short convolution (<GPU>)", with fla and the tiling sweep), kda_tuning ("KDA launch
-# settings (<GPU>)": the KDA op at `small`'s and kda.py's first shape under alternative launch settings), moe ("MoE: experts and
-# balancing overhead"), throughput ($LOGS/throughput_small.json; write its
+# settings (<GPU>)": the KDA op at `small`'s and kda.py's first shape under alternative launch settings), moe
+# ("MoE: experts and balancing overhead"), throughput ($LOGS/throughput_small.json; write its
 # section with `python benchmarks/throughput.py --from_json ...`), startup ("Start-up (<GPU>)": `small` on empty and
 # warm compile caches; prepares the python corpus first, about 95 s).
 set -u

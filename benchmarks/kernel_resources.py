@@ -154,7 +154,7 @@ def configs() -> dict[str, list[aot.Launch]]:
         "AttnRes mix N=11 D=1024": _attn_res(11, 2 * 4096, 1024),
         "AttnRes two-phase N=6 S=4 D=1024": _attn_res_two_phase(6, 4, 8 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
-        "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8192),
+        "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8256),
     }
 
 

@@ -8,7 +8,7 @@
     python benchmarks/profile_step.py --recipe recipes/small.yaml recipes/small_plain.yaml --compile sublayers \
         --write                                        # device time by kernel group, side by side, in RESULTS.md
 
-``--size`` takes the model, batch and sequence length of ``benchmarks/attnres.py``'s SIZES (``300m``: the issue-5
+``--size`` takes the model, batch and sequence length of ``benchmarks/attnres.py``'s SIZES (``300m``: a 299M
 model); ``--set`` overrides ModelConfig fields for every configuration, ``--grid`` runs every combination of the
 listed values. Per configuration it prints:
 
@@ -24,12 +24,12 @@ listed values. Per configuration it prints:
 * the operators with the most self CPU time and, on GPUs, the most self device time (``--rows`` each);
 * on GPUs, after the last configuration, every run's device time per step by kernel group (:data:`KERNEL_GROUPS`:
   KDA, short convolution, AttnRes, GEMMs, grouped GEMMs, attention, cross-entropy, routing, optimizer, inductor's
-  kernels, the rest) side by side; ``--write`` puts that table in RESULTS.md (section "Where the training step's
-  time goes").
+  kernels, the rest) side by side; ``--write`` puts that table in RESULTS.md (section "Device time by kernel group
+  (<GPU>)").
 
-With ``--out DIR`` each configuration's full tables (60 rows) go to ``DIR/<config>.txt``, and ``DIR/summary.json``
-collects the summary lines. The step is ``benchmarks/throughput.py``'s (bf16 autocast, float32 weights, fused
-AdamW, clipping, balancer update).
+With ``--out DIR`` each configuration's full tables (60 rows) go to ``DIR/<recipe or size>[_<grid values>].txt``,
+and ``DIR/summary.json`` collects the summary lines. The step is ``benchmarks/throughput.py``'s (bf16 autocast,
+float32 weights, fused AdamW, clipping, balancer update; the loss compiled when the model is).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def side_by_side(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-SECTION = "Where the training step's time goes"
+SECTION = "Device time by kernel group"
 
 
 def section(runs: list[tuple[str, dict]], compile_: str) -> str:
@@ -337,10 +337,10 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
     summaries, runs = [], []
     for (stem, base, batch, seq), over in itertools.product(bases, grid(a.grid)):
-        cfg = dataclasses.replace(base, **overrides(a.set), **over)
+        cfg = dataclasses.replace(base, **{**overrides(a.set), **over})  # the grid's value wins
         r = profile_config(cfg, batch, seq, a.steps, a.rows, a.trace, a.compile, a.optim)
         print(headline(r["summary"], batch, seq), r["short"], "", sep="\n", flush=True)
-        name = "_".join([stem] * (len(bases) > 1) + [f"{k}-{v}" for k, v in over.items()]) or "config"
+        name = "_".join([stem, *(f"{k}-{v}" for k, v in over.items())])
         if out:
             (out / f"{name}.txt").write_text(headline(r["summary"], batch, seq) + "\n\n" + r["full"] + "\n")
         summaries.append(r["summary"])
@@ -351,7 +351,7 @@ def main() -> None:
     if all(s["kernel_groups"] for s in summaries):
         print(side_by_side(runs))
         if a.write:
-            write_section(SECTION, section(runs, a.compile))
+            write_section(f"{SECTION} ({torch.cuda.get_device_name()})", section(runs, a.compile))
     elif a.write:
         raise SystemExit("--write: no device kernels were profiled (run it on a GPU)")
 

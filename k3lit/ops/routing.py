@@ -510,12 +510,13 @@ def sliding_average(running: torch.Tensor, estimate: torch.Tensor, rate: float) 
     Linear: the average of mean-centred biases stays mean-centred.
 
     Args:
-        running: ``[n]`` float32 current running estimate (the bias that routed the step).
-        estimate: ``[n]`` this step's estimate (e.g. :func:`quantile_bias`).
+        running: ``[..., n]`` float32 current running estimate (the bias that routed the step; leading dimensions
+            batch layers).
+        estimate: ``[..., n]`` this step's estimate (e.g. :func:`quantile_bias`).
         rate: ``0 < rate <= 1``.
 
     Returns:
-        ``[n]`` float32.
+        ``[..., n]`` float32.
 
     Raises:
         ValueError: ``rate`` outside ``(0, 1]`` or mismatched shapes.

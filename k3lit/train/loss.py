@@ -31,8 +31,9 @@ def compiled_next_token_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.T
 
     Eagerly the loss materialises float32 copies of the ``[B T, V]`` logits (the upcast, the log-softmax and, in
     backward, its gradient: 2 GB each for ``small``'s 32,768 x 16,384 logits) and casts the gradient back to the
-    logits' dtype in another pass. Inductor reads the bf16 logits once, upcasting in registers, keeps only the
-    per-row log-sum-exp for backward, and writes the gradient in the logits' dtype in one pass. The sums run in
-    another order, so the loss agrees with the eager one to float32 rounding and the gradient to the last bit of
-    its dtype (``tests/train/test_loss.py``)."""
+    logits' dtype in another pass. Compiled, inductor fuses the upcast into its reductions over the bf16 logits and
+    writes the gradient in the logits' dtype (its effect on the step is timed by ``benchmarks/throughput.py``, whose
+    compiled rows use it). The sums run in another order, so the loss agrees with the eager one to float32 rounding
+    and the gradient to half a unit in the last place of its dtype (``tests/train/test_loss.py``). Compiled with
+    ``torch.compile``'s default mode whatever ``compile_mode`` the model takes."""
     return torch.compile(next_token_loss)

@@ -26,10 +26,10 @@ def test_variants_are_timed_against_the_default_and_compute_the_same():
     assert plan.TUNING == default
     rows = r["shapes"][0]["rows"]
     assert [row["label"] for row in rows] == ["default", "split prep", "16-wide values", "bf16 U", "bad"]
-    assert rows[0]["diff"] == 0 and all(row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 for row in rows[:4])
+    assert all(row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 for row in rows[:4])
     assert rows[1]["diff"] < 1e-6 and rows[2]["diff"] < 1e-6, rows  # other tilings of the same sums
     assert rows[3]["diff"] > 1e-4, rows  # U rounded to bf16: another computation, and the difference shows
-    assert "arange" in rows[4]["error"]  # value blocks must be powers of two
+    assert "error" in rows[4] and "fwd_ms" not in rows[4]  # value blocks must be powers of two: no kernel
     text = kda_tuning.table(r)
     assert "| 1 x 40 x 2 x 16 | split prep (`fwd_prep=split`) |" in text and "failed:" in text
 

@@ -12,14 +12,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from k3lit.nn import MoE, update_balancers
 from k3lit.ops import quantile_bias
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")])]
 
-def _layers(n_layers: int, **kw) -> list[MoE]:
+
+def _layers(n_layers: int, device: str = "cpu", **kw) -> list[MoE]:
     torch.manual_seed(0)
-    layers = [MoE(24, 8, 2, 16, 1, **kw).train() for _ in range(n_layers)]
+    layers = [MoE(24, 8, 2, 16, 1, **kw).to(device).train() for _ in range(n_layers)]
     for moe in layers:
         moe.router.weight.data.mul_(8)  # a skewed router: biases far from zero
         for _ in range(2):  # two micro-batches of one optimizer step
-            moe(torch.randn(3, 41, 24))
+            moe(torch.randn(3, 41, 24, device=device))
     return layers
 
 
@@ -33,9 +36,10 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rate", [1.0, 0.1])
-def test_layers_updated_together_get_their_own_updates_to_the_bit(rate):
-    layers = _layers(5, quantile_rate=rate)
+def test_layers_updated_together_get_their_own_updates_to_the_bit(rate, device):
+    layers = _layers(5, device, quantile_rate=rate)
     alone = copy.deepcopy(layers)
     for moe in alone:
         moe.update_balancer()

@@ -55,7 +55,7 @@ def test_compiled_loss_is_one_graph():
     assert explained.graph_count == 1 and explained.graph_break_count == 0
 
 
-def test_a_compiling_module_trains_with_the_compiled_loss():
+def test_a_compiling_module_takes_the_compiled_loss():
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16)
     eager, compiled = K3LitModule(cfg, compile=False), K3LitModule(cfg, compile=True)
     for module in (eager, compiled):

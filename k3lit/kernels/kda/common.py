@@ -179,7 +179,8 @@ def _g_last_of(Gc, bos, eos, it, ok, i_h, rk, m_k, H: tl.constexpr, K: tl.conste
     leaves as a plain global load (the matrix operands go through asynchronous copies to shared memory), and
     loaded where it is used its wait dominates the scan's stalls (Nsight Compute; docs/DECISIONS.md, "KDA
     kernels"). Each trip starts by taking the exponential of the value loaded on the trip before, so that the
-    machine code first reads the loaded register one trip after the load (checked in its sm_90a machine
-    code): a copy of it into the next trip's register, which ptxas places mid-trip, would wait for the load."""
+    machine code first reads the loaded register one trip after the load (as a reading of the sm_90a machine
+    code showed; docs/DECISIONS.md): a copy of it into the next trip's register, which ptxas places mid-trip,
+    would wait for the load."""
     t0 = bos + it * C
     return _g_last(Gc, t0, tl.minimum(eos - t0, C), i_h, rk, m_k & ok, H, K)

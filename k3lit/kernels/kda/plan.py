@@ -3,7 +3,7 @@ dtypes. No autotuning: every choice is a fixed function of K, V, the dtype, the 
 GPU's SM count, never of T, so a new sequence length or batch size reuses the compiled kernels. ``TUNING`` holds
 the settings; the rules that ``"auto"`` applies (:func:`_scan_plan`, :func:`_plain_out_fused`, :func:`_segments`)
 come from H200 timings (docs/DECISIONS.md, "KDA kernels"); ``benchmarks/kda_tuning.py`` times alternatives side by
-side (benchmarks/RESULTS.md, "KDA launch settings").
+side (its section of benchmarks/RESULTS.md, "KDA launch settings (<GPU>)").
 """
 
 from __future__ import annotations

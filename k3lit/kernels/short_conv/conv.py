@@ -134,6 +134,8 @@ def conv_fwd(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> list[torch.Ten
     """``x [B, T, C]`` contiguous, ``w [C, W]`` -> ``y = silu(causal_conv(x, w))`` in x's dtype: ``[y]``
     (``[B, T, C]``) for ``parts = 1``, its three channel groups ``[B, T, C / 3]`` (each contiguous) for 3."""
     B, T, C = x.shape
+    if C % parts:
+        raise ValueError(f"conv_fwd: {C} channels do not split into {parts} parts")
     ys = [torch.empty_like(x)] if parts == 1 else [x.new_empty(B, T, C // 3) for _ in range(3)]
     bt, bc, warps = TUNING["fwd"]
     grid = (triton.cdiv(T, bt), triton.cdiv(C, bc), B)
@@ -146,6 +148,8 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dys: list[torch.Tensor]) -> tuple
     """Gradients ``(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)`` of :func:`conv_fwd` from the gradients
     ``dys`` of its outputs (one ``[B, T, C]``, or three contiguous ``[B, T, C / 3]``)."""
     B, T, C = x.shape
+    if C % len(dys):
+        raise ValueError(f"conv_bwd: {C} channels do not split into {len(dys)} parts")
     W = w.shape[1]
     big = x.numel() >= 2**31
     bt, bc, warps = TUNING["bwd_p"]
