@@ -6,7 +6,7 @@
 
 Per shape (B x T x H x D, K = V = D), the default settings first, then each variant with
 ``k3lit.kernels.kda.plan.TUNING`` updated by its ``key=value`` pairs: the forward without gradients and the
-forward + backward from raw bf16 q, k, v, the gate pre-activation e and beta, with the gate ``g_min sigmoid(e +
+forward + backward from raw bf16 q, k, v, the gate pre-activation e and float32 beta, with the gate ``g_min sigmoid(e +
 bias)`` and the q/k L2 norm inside the kernels (what :class:`k3lit.nn.kda.KimiDeltaAttention` runs), timed side by
 side in one process (``triton.testing.do_bench`` medians). A launch setting tiles the same computation otherwise;
 each variant's output and gradients are compared with the default's (the largest relative RMS difference over o,
@@ -69,15 +69,15 @@ def layer_op(q, k, v, e, beta, bias):  # noqa: ANN001, ANN201
 
 
 def inputs(B: int, T: int, H: int, D: int, device: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Raw bf16 q, k, v, e, beta and a float32 gate bias ``[H D]`` (all requiring grad), and an output gradient."""
+    """Raw bf16 q, k, v and e, float32 beta (as the layer forms it) and a float32 gate bias ``[H D]``, all requiring
+    grad, and a bf16 output gradient."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return scale * torch.randn(*shape, device=device, generator=g)
 
-    xs = [draw(B, T, H, D, scale=2), draw(B, T, H, D), draw(B, T, H, D), draw(B, T, H, D, scale=2),
-          torch.sigmoid(draw(B, T, H))]
-    xs = [x.bfloat16() for x in xs] + [draw(H * D)]
+    xs = [draw(B, T, H, D, scale=2), draw(B, T, H, D), draw(B, T, H, D), draw(B, T, H, D, scale=2)]
+    xs = [x.bfloat16() for x in xs] + [torch.sigmoid(draw(B, T, H)), draw(H * D)]
     return [x.requires_grad_() for x in xs], draw(B, T, H, D).bfloat16()
 
 
@@ -131,8 +131,9 @@ def measure(a: argparse.Namespace, device: str = "cuda", bench=gpu_bench) -> dic
 def table(r: dict) -> str:
     """The section: one row per shape and setting, the times relative to the default's."""
     lines = [f"Written by `benchmarks/kda_tuning.py`. {environment(r['env'])}. Command: {r['command']}. The KDA op "
-             "from raw bf16 q, k, v, e and beta with the gate and the q/k L2 norm in the kernels, as the KDA layer "
-             "calls it; `fwd`: without gradients; `f+b`: forward and backward; median ms of `triton.testing.do_bench`, "
+             "from raw bf16 q, k, v, e and float32 beta with the gate and the q/k L2 norm in the kernels, as the KDA "
+             "layer calls it; `fwd`: without gradients; `f+b`: forward and backward; median ms of "
+             "`triton.testing.do_bench`, "
              "every row in one process. `difference`: the largest relative RMS difference of the output and the "
              "gradients from the default settings' (a launch setting tiles the same computation).", "",
              "| B x T x H x D | settings | fwd ms | f+b ms | f+b / default | difference |", "|---|---|---|---|---|---|"]

@@ -13,14 +13,14 @@ __all__ = ["next_token_loss", "compiled_next_token_loss"]
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy ``-(1/N) Σ_i log softmax(z_i)[y_i]`` over the ``N = B T`` positions, in nats,
-    with the log-softmax evaluated in float32 (float64 for float64 logits).
+    with the log-softmax evaluated in float32 (the logits cast to float32 whatever their dtype).
 
     Args:
         logits: ``[B, T, V]`` in any floating dtype (bf16 under autocast).
         targets: ``[B, T]`` int64 token ids in ``[0, V)``.
 
     Returns:
-        0-d float32 (float64 for float64 logits) tensor.
+        0-d float32 tensor.
     """
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
