@@ -153,7 +153,7 @@ def test_a_kernel_that_fails_is_reported_and_the_others_compile(tmp_path):
 import torch
 from pathlib import Path
 from k3lit.kernels import aot, precompile
-kwargs = (("B", 1), ("T", 16), ("C", 8), ("width", 4), ("dtype", torch.bfloat16))
+kwargs = (("B", 1), ("T", 16), ("C", 12), ("width", 4), ("dtype", torch.bfloat16))
 items = [precompile.Item("short_conv", kwargs, 99, "_missing"), precompile.Item("short_conv", kwargs, 0, "_fwd")]
 job = precompile.start(items, aot.H200, workers=1)
 try:
@@ -180,7 +180,7 @@ import os, torch
 from pathlib import Path
 from k3lit.kernels import aot, precompile
 assert "TRITON_CACHE_DIR" not in os.environ
-kwargs = (("B", 1), ("T", 16), ("C", 8), ("width", 4), ("dtype", torch.bfloat16))
+kwargs = (("B", 1), ("T", 16), ("C", 12), ("width", 4), ("dtype", torch.bfloat16))
 precompile.start([precompile.Item("short_conv", kwargs, 0, "_fwd")], aot.H200, workers=1).wait()
 folder = Path(os.environ["TRITON_CACHE_DIR"])
 assert folder == Path.home() / ".triton" / "cache", folder
