@@ -29,7 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results import add_output_arguments, command, environment, run_or_load, versions  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    add_output_arguments,
+    add_shapes_argument,
+    command,
+    environment,
+    gpu_run_or_load,
+    versions,
+)
 from k3lit.kernels.kda import kda_triton, plan  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
@@ -154,8 +161,7 @@ def table(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="+", default=SHAPES,
-                   help="B x T x H x D shapes, e.g. 16x2048x12x64")
+    add_shapes_argument(p, SHAPES, "B x T x H x D")
     p.add_argument("--variant", dest="variants", action="append", default=None,
                    help="LABEL:key=value[,key=value] of plan.TUNING, repeatable (default: the built-in variants)")
     add_output_arguments(p, "raw results")
@@ -163,9 +169,7 @@ def main() -> None:
     a.variants = list(VARIANTS) if a.variants is None else a.variants
     for spec in a.variants:
         parse_variant(spec)  # refuse a bad spec before any GPU work
-    if not a.from_json and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kda_tuning.py times CUDA kernels: run it on a GPU (or pass --from_json)")
-    run_or_load(a, measure, "KDA launch settings", table)
+    gpu_run_or_load(a, measure, "KDA launch settings", table)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,25 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     path.write_text(text)
 
 
+def add_shapes_argument(p: argparse.ArgumentParser, default: tuple, dims: str) -> None:
+    """``--shapes``: sizes written ``16x2048x2304`` (``dims`` names them, e.g. ``"B x T x C"``), as int tuples."""
+    p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="+", default=default,
+                   help=f"{dims} shapes, e.g. {'x'.join(str(v) for v in default[0])}")
+
+
+def gpu_run_or_load(a: argparse.Namespace, measure: Callable[[argparse.Namespace], dict], title: str,
+                    table: Callable[[dict], str]) -> dict:
+    """:func:`run_or_load` for a script that times CUDA kernels.
+
+    Raises:
+        SystemExit: no CUDA device and no ``--from_json`` to write the section from.
+    """
+    if not a.from_json and not torch.cuda.is_available():
+        raise SystemExit(f"benchmarks/{Path(sys.argv[0]).name} times CUDA kernels: run it on a GPU (or pass "
+                         "--from_json)")
+    return run_or_load(a, measure, title, table)
+
+
 def add_output_arguments(p: argparse.ArgumentParser, raw: str) -> None:
     """``--json`` (write ``raw`` there), ``--results`` (the results file) and ``--from_json`` (only write the section
     from a stored run), the arguments :func:`run_or_load` reads."""

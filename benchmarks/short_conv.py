@@ -28,7 +28,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results import add_output_arguments, command, environment, run_or_load, versions  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    add_output_arguments,
+    add_shapes_argument,
+    command,
+    environment,
+    gpu_run_or_load,
+    versions,
+)
 from k3lit.kernels.short_conv import conv, short_conv_silu_triton  # noqa: E402
 from k3lit.testing import rel_rms  # noqa: E402
 
@@ -170,14 +177,10 @@ def table(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="+", default=SHAPES,
-                   help="B x T x C shapes, e.g. 16x2048x2304")
+    add_shapes_argument(p, SHAPES, "B x T x C")
     p.add_argument("--sweep", action="store_true", help="also time every tiling of each k3lit kernel")
     add_output_arguments(p, "raw results")
-    a = p.parse_args()
-    if not a.from_json and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/short_conv.py times CUDA kernels: run it on a GPU (or pass --from_json)")
-    run_or_load(a, measure, "Short convolution", table)
+    gpu_run_or_load(p.parse_args(), measure, "Short convolution", table)
 
 
 if __name__ == "__main__":
