@@ -89,7 +89,7 @@ def rows(c: ModelConfig, stem: str, names: list[str], plain: ModelConfig | None 
     return dict(table[n] for n in names)
 
 
-COMPILE = ("none", "sublayers", "model", "cudagraphs")
+COMPILE = ("none", "sublayers", "sublayer_graphs", "model", "cudagraphs")
 
 
 def variant(c: ModelConfig, spec: str) -> tuple[str, ModelConfig]:
@@ -117,14 +117,14 @@ def variant(c: ModelConfig, spec: str) -> tuple[str, ModelConfig]:
 
 def build_model(c: ModelConfig, device: str, compile_: str | bool) -> K3LM:
     """``K3LM(c)`` from seed 0 on ``device``; ``compile_``: ``none`` (or False), ``sublayers`` (or True: every
-    sublayer ``torch.compile``'d), ``model`` (the whole model as one ``torch.compile`` region) or ``cudagraphs``
-    (the same with ``mode="reduce-overhead"``: forward and backward replayed as CUDA graphs)."""
+    sublayer ``torch.compile``'d, :meth:`K3LM.compile_sublayers`), ``sublayer_graphs`` (the same with
+    ``mode="reduce-overhead"``: each sublayer's forward and backward replayed as CUDA graphs), ``model`` (the whole
+    model as one ``torch.compile`` region) or ``cudagraphs`` (the whole model with ``mode="reduce-overhead"``)."""
     torch.manual_seed(0)
     model = K3LM(c).to(device)
     mode = {False: "none", True: "sublayers"}.get(compile_, compile_)
-    if mode == "sublayers":
-        for sub in model.sublayers:
-            sub.compile()
+    if mode in ("sublayers", "sublayer_graphs"):
+        model.compile_sublayers(mode="reduce-overhead" if mode == "sublayer_graphs" else None)
     elif mode in ("model", "cudagraphs"):
         model.compile(mode="reduce-overhead" if mode == "cudagraphs" else None)
     return model
@@ -141,9 +141,9 @@ def build_litgpt(device: str, compile_: str, seq: int) -> tuple[torch.nn.Module,
     model = GPT(cfg).to(device)
     if compile_ in ("model", "cudagraphs"):
         model.compile(mode="reduce-overhead" if compile_ == "cudagraphs" else None)
-    elif compile_ == "sublayers":
+    elif compile_ in ("sublayers", "sublayer_graphs"):
         for block in model.transformer.h:
-            block.compile()
+            block.compile(mode="reduce-overhead" if compile_ == "sublayer_graphs" else None)
     d, hs = cfg.n_embd, cfg.head_size
     per_layer = d * hs * (cfg.n_head + 2 * cfg.n_query_groups) + cfg.n_head * hs * d + 3 * d * cfg.intermediate_size
     matmul = cfg.n_layer * per_layer + cfg.padded_vocab_size * d
@@ -294,8 +294,9 @@ def table(result: dict) -> str:
         f"{'Muon with the fused AdamW' if result.get('optim') == 'muon' else 'fused AdamW'}, clipping, balancer "
         "update, synthetic tokens, "
         f"{result['steps']} timed steps after {result['warmup']} warm-up steps. compile: `none` eager, `sublayers` "
-        "`torch.compile` per sublayer, `model` the whole model as one region (`k3lit fit`'s default on one GPU), "
-        "`cudagraphs` the same with CUDA graphs (`--compile_mode=reduce-overhead`). MFU = "
+        "`torch.compile` per sublayer (`k3lit fit`'s default on one GPU), `sublayer_graphs` the same with CUDA "
+        "graphs (`--compile_mode=reduce-overhead`), `model` the whole model as one region (`--compile_scope=model`), "
+        "`cudagraphs` the whole model with CUDA graphs. MFU = "
         "model FLOPs (`k3lit/train/flops.py`) / dense bf16 peak (989.4 TFLOP/s).",
         "",
         "| model | params (M) | active (M) | GFLOP/token | " + " | ".join(f"ms/step {m} | MFU {m}" for m in modes)

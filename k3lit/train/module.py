@@ -64,15 +64,17 @@ class K3LitModule(L.LightningModule):
             custom ops inside it), for long runs where the last percent of step time outweighs the start-up. A
             sharding strategy always compiles sublayers.
         compile_mode: ``torch.compile``'s ``mode`` (None: its default), e.g.
-            ``reduce-overhead``: CUDA graphs, so that the host launches a step's forward and backward as two graph
-            replays instead of thousands of kernels (the step's shapes are static); for models without KDA layers
-            only (measured: no gain for ``small_plain`` through ``k3lit fit``, docs/DECISIONS.md).
+            ``reduce-overhead``: CUDA graphs, so that the host replays each compiled region's forward and backward
+            as graphs instead of launching their kernels one by one (the step's shapes are static): half the host
+            time of ``small``'s step, the same device time (benchmarks/RESULTS.md, "Host time per step (H200)").
+            A model with KDA layers takes it at ``compile_scope="sublayers"`` only.
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
 
     Raises:
-        ValueError: a CUDA-graph ``compile_mode`` for a model with KDA layers; an unknown ``compile_scope``.
+        ValueError: a CUDA-graph ``compile_mode`` at ``compile_scope="model"`` for a model with KDA layers; an
+            unknown ``compile_scope``.
     """
 
     def __init__(
@@ -87,10 +89,11 @@ class K3LitModule(L.LightningModule):
         super().__init__()
         if compile_scope not in ("sublayers", "model"):
             raise ValueError(f"compile_scope={compile_scope!r}: choose 'sublayers' or 'model'")
-        if compile_mode in CUDA_GRAPH_MODES and "K" in model.layer_pattern:
-            raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) does not run a model with KDA layers: "
-                             "the KDA kernels keep index tables built at their first call, which CUDA graph trees "
-                             "refuse; leave compile_mode unset")
+        if compile_mode in CUDA_GRAPH_MODES and "K" in model.layer_pattern and compile_scope == "model":
+            raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) with compile_scope='model' does not run a "
+                             "model with KDA layers: cudagraph trees find tensors in the whole model's graph pool "
+                             "that are no graph output; use compile_scope='sublayers' (the default) or leave "
+                             "compile_mode unset")
         self.compile_model = compile
         self.compile_mode = compile_mode
         self.compile_scope = compile_scope
