@@ -370,6 +370,9 @@ def main() -> None:
         jobs.append((f"k3lit `{Path(extra).stem}` ({c.layer_pattern}, MoE {c.n_experts}x top-{c.top_k}, {c.residual}; "
                      f"batch {d['batch_size']} x {d['seq_len']})", c, int(d["batch_size"]), int(d["seq_len"])))
     result["compile"] = a.compile.split(",")
+    unknown = set(result["compile"]) - set(COMPILE)
+    if unknown:
+        raise SystemExit(f"--compile: unknown {sorted(unknown)}; choose from {COMPILE}")
     for compile_ in result["compile"]:
         for name, c, b, t in jobs:
             try:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from benchmarks.throughput import variant
@@ -27,3 +30,14 @@ def test_fields_are_read_as_yaml_values():
 def test_bad_variants_say_what_to_change(spec, message):
     with pytest.raises(SystemExit, match=message):
         variant(BASE, spec)
+
+
+def test_unknown_compile_settings_are_refused_before_any_row(monkeypatch):
+    from benchmarks import throughput
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
+    monkeypatch.setattr(throughput, "bench", lambda *a, **k: pytest.fail("a row ran"))
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--recipe", recipe, "--device", "cpu", "--rows", "recipe",
+                                      "--compile", "none,sublayer"])
+    with pytest.raises(SystemExit, match=r"--compile: unknown \['sublayer'\]; choose from .*sublayer_graphs"):
+        throughput.main()
