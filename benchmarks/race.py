@@ -265,10 +265,12 @@ def table(result: dict, png: str) -> str:
         f"the run's last `val/bpb` inside its budget, on the split's first {result['val_batches']} batches (the "
         "curve's last point; a model's bpb, not on the final pass's bytes). Raw runs: "
         f"`{result.get('json', '')}`; curve: `{png}`. Runs from several invocations (`--append`, or several files "
-        "to `--from_json`): the command of the latest; each earlier one ran the same race for other recipes or seeds.",
+        "to `--from_json`): the date and command above are the latest's; each run's date is in the table, its "
+        "command in the raw runs.",
         "",
-        "| run | seed | steps | first step (s) | median tokens/s | last periodic validation (bpb) | held-out bpb |",
-        "|---|---|---|---|---|---|---|",
+        "| run | date | seed | steps | first step (s) | median tokens/s | last periodic validation (bpb) "
+        "| held-out bpb |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     by_label: dict[str, list[float]] = {}
     unfinished = []
@@ -282,7 +284,8 @@ def table(result: dict, png: str) -> str:
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
         shown = "-" if value is None else f"{value:.4f}"
         last = f"{r['curve'][-1][2]:.4f}" if r.get("curve") else "-"
-        lines.append(f"| `{label(r)}` | {r['seed']} | {r['steps']:,} | {first} | {tps} | {last} | {shown} |")
+        lines.append(f"| `{label(r)}` | {r.get('date') or env['date']} | {r['seed']} | {r['steps']:,} | {first} "
+                     f"| {tps} | {last} | {shown} |")
     if unfinished:
         lines += ["", "The final held-out pass of " + ", ".join(unfinished) + " did not finish (the call ended "
                       "first): the row keeps what the fit logged, its curve is in the plot, and it counts in no mean."]
@@ -366,7 +369,14 @@ def continued(earlier: dict, result: dict) -> dict:
         raise SystemExit("--append: the stored runs are of another race (" + ", ".join(
             f"{k} {earlier[k]} against {result[k]}" for k in keys if earlier[k] != result[k]) + ")")
     seeds = sorted(set(earlier["seeds"]) | set(result["seeds"]))
-    return {**result, "runs": earlier["runs"] + result["runs"], "seeds": seeds}
+    return {**result, "runs": stamped(earlier) + stamped(result), "seeds": seeds}
+
+
+def stamped(result: dict) -> list[dict]:
+    """``result``'s runs, each with the date and command of the invocation that ran it (``date``, ``command``),
+    kept where a run has them already (runs joined from several invocations keep their own)."""
+    date, cmd = result.get("env", {}).get("date"), result.get("command")
+    return [{"date": date, "command": cmd, **r} for r in result["runs"]]
 
 
 def race(a: argparse.Namespace) -> dict:

@@ -78,7 +78,8 @@ def test_appended_runs_join_the_same_race_only():
     earlier = {"minutes": 6.0, "val_batches": 25, "same_bytes": ref, "seeds": [1], "runs": [{"seed": 1}]}
     now = {"minutes": 6.0, "val_batches": 25, "same_bytes": dict(ref), "seeds": [2], "runs": [], "env": {}}
     merged = continued(earlier, now)
-    assert merged["runs"] == [{"seed": 1}] and merged["seeds"] == [1, 2] and merged["env"] == {}
+    assert merged["runs"] == [{"date": None, "command": None, "seed": 1}] and merged["seeds"] == [1, 2]
+    assert merged["env"] == {}
     with pytest.raises(SystemExit, match="minutes 6.0 against 8.0"):
         continued(earlier, {**now, "minutes": 8.0})
 
@@ -142,7 +143,7 @@ def test_a_run_cut_before_its_final_pass_keeps_what_the_fit_logged(tmp_path, mon
     result = {"env": {"date": "d", "device": "X", "torch": "t", "triton": "tr"}, "command": "c", "minutes": 6.0,
               "same_bytes": ref, "seeds": [3], "val_batches": 2, "runs": [saved[0], done]}
     text = table(result, "r.png")
-    assert "| `x` | 3 | 41 | 4.5 | 2,000 | 2.5000 | - |" in text
+    assert "| `x` | d | 3 | 41 | 4.5 | 2,000 | 2.5000 | - |" in text
     assert "final held-out pass of `x` seed 3 did not finish" in text
     assert "Mean held-out bpb" not in text  # one finished label: nothing to compare
 
@@ -177,25 +178,29 @@ def test_from_json_joins_the_runs_of_several_calls(tmp_path, monkeypatch):
     ref = {"blocks": 2, "seq_len": 8, "bytes": 40, "gzip -9": 5.0, "xz -9e": 5.5}
     env = {"date": "2026-01-01", "device": "NVIDIA H200", "torch": "t", "triton": "3"}
 
-    def call(name: str, seed: int, loss: float | None) -> Path:
+    def call(name: str, seed: int, loss: float | None, date: str) -> Path:
         run = {"recipe": f"recipes/{name}.yaml", "label": name, "fit_args": [], "seed": seed, "steps": 10,
                "process_s": 1.0, "curve": [[1.0, 5, 2.0], [2.0, 10, 1.5]], "expert_load": None,
                "final_val_loss": loss, "median_tokens_per_s": 100.0, "first_step_s": 0.5, "positions": None}
-        stored = {"minutes": 6.0, "seeds": [seed], "val_batches": 25, "seq_len": 8, "env": env,
+        stored = {"minutes": 6.0, "seeds": [seed], "val_batches": 25, "seq_len": 8, "env": {**env, "date": date},
                   "command": f"race {name}", "json": "", "runs": [run], "same_bytes": ref}
         (tmp_path / f"{name}.json").write_text(json.dumps(stored))
         return tmp_path / f"{name}.json"
 
     sections = {}
     monkeypatch.setattr("benchmarks.race.write_section", lambda title, body: sections.update({title: body}))
-    a, b = call("k3", 1, None), call("plain", 1, 1.0)
+    a, b = call("k3", 1, None, "2026-01-01"), call("plain", 1, 1.0, "2026-01-02")
     monkeypatch.setattr(sys, "argv", ["race.py", "--from_json", str(a), str(b), "--json", str(tmp_path / "j.json")])
     main()
     joined = json.loads((tmp_path / "j.json").read_text())
     assert [r["label"] for r in joined["runs"]] == ["k3", "plain"] and joined["command"] == "race plain"
     (title_, body), = sections.items()
     assert title_ == "Race at equal wall-clock, 8-token sequences (H200)"
-    assert "| `plain` | 1 | 10 |" in body and "| `k3` | 1 | 10 | 0.5 | 100 | 1.5000 | - |" in body
+    assert "| `plain` | 2026-01-02 | 1 | 10 |" in body
+    assert "| `k3` | 2026-01-01 | 1 | 10 | 0.5 | 100 | 1.5000 | - |" in body
+    assert [(r["date"], r["command"]) for r in joined["runs"]] == [("2026-01-01", "race k3"),
+                                                                    ("2026-01-02", "race plain")]
+    assert "2026-01-02 · NVIDIA H200" in body  # the header: the latest invocation's
     assert (tmp_path / "j.png").is_file()
     other = json.loads(b.read_text())
     other["minutes"] = 8.0
