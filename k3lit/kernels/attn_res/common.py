@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lit.kernels.streams import cacheable
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_DIM = 8192  # a whole row per tile: at 8 warps a row, 32 values per thread
 # Launch settings: each kernel's warps per 1024 columns (its warp scale in :func:`row_tiles`; a power of two), and
@@ -134,22 +136,34 @@ def row_tiles(D: int, kernel: str) -> tuple[int, int, int]:
     return max(1, 1024 * warps // BD), BD, warps
 
 
-# Device copies of recent tables, keyed by (device, stream, content). Training allocates the same tensors at the
-# same addresses step after step, so most launches find their table here and skip a pinned allocation and a
-# host-to-device copy. A table holds only addresses and codes, so one equal in content is valid for any
-# tensors at those addresses; the stream in the key keeps a kernel from reading a copy another stream has not
-# finished. 4096 entries of a few hundred bytes.
+# Device copies of recent tables, keyed by (device, content), made and kept only where eager training runs
+# (:func:`~k3lit.kernels.streams.cacheable`). Training allocates the same tensors at the same addresses step after
+# step, so most launches find their table here and skip a pinned allocation and a host-to-device copy. A table
+# holds only addresses and codes, so one equal in content is valid for any tensors at those addresses. 4096
+# entries of a few hundred bytes.
 TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 TABLES_MAX = 4096
+# Pinned host sources of the tables copied inside a CUDA graph capture: the graph's copy reads them again at every
+# replay, so they live as long as the process (one per distinct table a captured graph holds).
+CAPTURED_SOURCES: dict[tuple, torch.Tensor] = {}
 
 
 def address_table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
-    """The int64 address/code table on ``device`` (on CUDA a cached copy, or a pinned asynchronous copy: no host
-    sync)."""
+    """The int64 address/code table on ``device``: on the CPU a new tensor; on CUDA a cached copy where
+    :func:`~k3lit.kernels.streams.cacheable`, else a fresh asynchronous copy from pinned memory (no host sync),
+    whose source is kept for the graph's replays when the stream is capturing."""
     flat = tuple(v for col in columns for v in col)
     if device.type != "cuda":
         return torch.tensor(flat, dtype=torch.int64)
-    key = (device, torch.cuda.current_stream(device).cuda_stream, flat)
+    if not cacheable(device):
+        if torch.cuda.is_current_stream_capturing():
+            source = CAPTURED_SOURCES.get(flat)
+            if source is None:
+                source = CAPTURED_SOURCES[flat] = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
+        else:
+            source = torch.tensor(flat, dtype=torch.int64, pin_memory=True)
+        return source.to(device, non_blocking=True)
+    key = (device, flat)
     table = TABLES.get(key)
     if table is None:
         table = torch.tensor(flat, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)

@@ -14,6 +14,8 @@ import functools
 import torch
 import triton
 
+from k3lit.kernels.streams import cacheable
+
 
 def chunk_meta(
     cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device: torch.device
@@ -39,16 +41,6 @@ def chunk_meta(
     if keep:  # the tensor stays referenced, so no other tensor can take its address while it is kept
         _packed_cache[:] = [(key, cu_seqlens, meta)]
     return meta
-
-
-def cacheable(device: torch.device) -> bool:
-    """Whether a chunk table made now on ``device`` may be kept for later calls: on the CPU always; on CUDA
-    only on the device's default stream outside a graph capture (the stream eager training runs on, so every
-    later call is ordered after the table's building)."""
-    if device.type != "cuda":
-        return True
-    return (not torch.cuda.is_current_stream_capturing()
-            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))
 
 
 #: The latest packed batch's tables, ``[(key, cu_seqlens, meta)]``: every KDA layer of a forward and backward gets the

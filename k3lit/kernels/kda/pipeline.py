@@ -12,8 +12,8 @@ import functools
 import torch
 import triton
 
-from k3lit.kernels.kda.index import cacheable
 from k3lit.kernels.kda.plan import _segments
+from k3lit.kernels.streams import cacheable
 
 
 def _segment_plan(which: str, B: int, H: int, T: int, C: int, cu_seqlens: torch.Tensor | None, cidx: torch.Tensor,
@@ -48,7 +48,7 @@ def _segment_table_cached(B: int, n_per: int, P: int, device: torch.device
 
 def _segment_table(B: int, n_per: int, P: int, device: torch.device
                    ) -> tuple[torch.Tensor, tuple[tuple[int, int, int, int], ...]]:
-    """:func:`_segment_table_cached`, kept only where ``index.cacheable`` (built afresh on other streams, as in a
+    """:func:`_segment_table_cached`, kept only where ``streams.cacheable`` (built afresh on other streams, as in a
     CUDA graph's capture or warm-up)."""
     if cacheable(device):
         return _segment_table_cached(B, n_per, P, device)
