@@ -128,8 +128,7 @@ class K3CLI(LightningCLI):
                             help="'sublayers': each sublayer on its own (faster start-up); 'model': the whole "
                                  "model as one graph on one device (slightly faster steps; RESULTS.md, Throughput)")
         parser.add_argument("--compile_mode", type=str | None, default=None,
-                            help="torch.compile's mode, e.g. 'reduce-overhead' (CUDA graphs; with KDA layers at "
-                                 "compile_scope 'sublayers' only)")
+                            help="torch.compile's mode, e.g. 'reduce-overhead' (CUDA graphs)")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")

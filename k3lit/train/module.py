@@ -22,8 +22,6 @@ from k3lit.train.loss import compiled_next_token_loss, next_token_loss
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
-
 # Checkpoints store the two configs as hyper-parameters; allow them under torch.load(weights_only=True).
 torch.serialization.add_safe_globals([ModelConfig, OptimConfig])
 
@@ -67,14 +65,12 @@ class K3LitModule(L.LightningModule):
             ``reduce-overhead``: CUDA graphs, so that the host replays each compiled region's forward and backward
             as graphs instead of launching their kernels one by one (the step's shapes are static): half the host
             time of ``small``'s step, the same device time (benchmarks/RESULTS.md, "Host time per step (H200)").
-            A model with KDA layers takes it at ``compile_scope="sublayers"`` only.
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
 
     Raises:
-        ValueError: a CUDA-graph ``compile_mode`` at ``compile_scope="model"`` for a model with KDA layers; an
-            unknown ``compile_scope``.
+        ValueError: an unknown ``compile_scope``.
     """
 
     def __init__(
@@ -89,11 +85,6 @@ class K3LitModule(L.LightningModule):
         super().__init__()
         if compile_scope not in ("sublayers", "model"):
             raise ValueError(f"compile_scope={compile_scope!r}: choose 'sublayers' or 'model'")
-        if compile_mode in CUDA_GRAPH_MODES and "K" in model.layer_pattern and compile_scope == "model":
-            raise ValueError(f"compile_mode={compile_mode!r} (CUDA graphs) with compile_scope='model' does not run a "
-                             "model with KDA layers: cudagraph trees find tensors in the whole model's graph pool "
-                             "that are no graph output; use compile_scope='sublayers' (the default) or leave "
-                             "compile_mode unset")
         self.compile_model = compile
         self.compile_mode = compile_mode
         self.compile_scope = compile_scope
