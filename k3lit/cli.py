@@ -63,7 +63,7 @@ from k3lit.train.csv_log import RunCSVLogger
 from k3lit.train.expert_plots import ExpertLoadPlots
 from k3lit.train.garbage import GarbageCollection
 from k3lit.train.kernel_precompile import KernelPrecompile
-from k3lit.train.module import K3LitModule
+from k3lit.train.module import COMPILE_MODES, K3LitModule
 from k3lit.train.optim import OptimConfig
 from k3lit.train.progress import ProgressLines, StepProgressBar
 from k3lit.train.quiet import quiet_third_party
@@ -127,8 +127,9 @@ class K3CLI(LightningCLI):
         parser.add_argument("--compile_scope", type=Literal["sublayers", "model"], default="sublayers",
                             help="'sublayers': each sublayer on its own (faster start-up); 'model': the whole "
                                  "model as one graph on one device (slightly faster steps; RESULTS.md, Throughput)")
-        parser.add_argument("--compile_mode", type=str | None, default=None,
-                            help="torch.compile's mode, e.g. 'reduce-overhead' (CUDA graphs)")
+        parser.add_argument("--compile_mode", type=Literal[COMPILE_MODES] | None, default=None,
+                            help="torch.compile's mode (null: its default); 'reduce-overhead': CUDA graphs of each "
+                                 "compiled region (recipes/small.yaml's setting)")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")

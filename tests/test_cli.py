@@ -192,6 +192,7 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
         ("--data.corpus=/no/such/corpus", "does not exist"),
         ("--data.val_fraction=1.5", "val_fraction"),
         ("--ckpt_path=/no/such.ckpt", "checkpoint /no/such.ckpt not found"),
+        ("--compile_mode=reduce_overhead", "Literal['default', 'reduce-overhead'"),
     ],
 )
 def test_bad_input_gives_clear_error(tmp_path, cache, override, message, capsys, monkeypatch):

@@ -81,6 +81,9 @@ def test_compile_scope_model_compiles_the_whole_model_and_an_unknown_scope_is_re
     assert all(sub._compiled_call_impl is None for sub in module.model.sublayers)
     with pytest.raises(ValueError, match="compile_scope='layers': choose 'sublayers' or 'model'"):
         K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16), compile_scope="layers")
+    with pytest.raises(ValueError, match="compile_mode='reduce_overhead': choose one of default, reduce-overhead"):
+        K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16),
+                    compile_mode="reduce_overhead")
 
 
 @pytest.mark.parametrize("scope", ["sublayers", "model"])

@@ -22,6 +22,8 @@ from k3lit.train.loss import compiled_next_token_loss, next_token_loss
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
 # Checkpoints store the two configs as hyper-parameters; allow them under torch.load(weights_only=True).
 torch.serialization.add_safe_globals([ModelConfig, OptimConfig])
 
@@ -70,7 +72,7 @@ class K3LitModule(L.LightningModule):
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
 
     Raises:
-        ValueError: an unknown ``compile_scope``.
+        ValueError: an unknown ``compile_scope`` or ``compile_mode``.
     """
 
     def __init__(
@@ -85,6 +87,9 @@ class K3LitModule(L.LightningModule):
         super().__init__()
         if compile_scope not in ("sublayers", "model"):
             raise ValueError(f"compile_scope={compile_scope!r}: choose 'sublayers' or 'model'")
+        if compile_mode is not None and compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode={compile_mode!r}: choose one of {', '.join(COMPILE_MODES)} "
+                             "(torch.compile's modes), or None for its default")
         self.compile_model = compile
         self.compile_mode = compile_mode
         self.compile_scope = compile_scope

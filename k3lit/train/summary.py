@@ -11,7 +11,7 @@
       recent rate    7,950 tokens/s per device (the last 20 steps logged)
       held-out bpb   2.751 (val/bpb at step 1000, over the 226,527 bytes its targets encode)
       same bytes     gzip -9 1.724 · xz -9e 1.243 bits/byte on the text of the 320 validation blocks (227,404
-                     bytes)
+                     bytes, each block's first token included)
       MaxVio_global  layer0 0.23 · layer1 0.26 · layer2 0.43 · layer3 0.98 · layer4 0.57
       checkpoint     runs/tiny/checkpoints/last.ckpt
       plots          runs/tiny/expert_load/step0001000.png (TensorBoard: tensorboard --logdir runs/tiny)
@@ -230,7 +230,7 @@ class RunSummary(Callback):
             return None
         ref = reference_bpb(dm.prepared, dm.seq_len, self._val_blocks)
         return (f"gzip -9 {ref['gzip -9']:.4g} · xz -9e {ref['xz -9e']:.4g} bits/byte on the text of the "
-                f"{self._val_blocks} validation blocks ({ref['bytes']:,} bytes)")
+                f"{self._val_blocks} validation blocks ({ref['bytes']:,} bytes, each block's first token included)")
 
     def _outputs(self, trainer: L.Trainer) -> list[tuple[str, str]]:
         rows = []

@@ -166,7 +166,8 @@ def test_seq_len_races_longer_sequences_at_the_same_tokens_per_step(tmp_path):
     summary = (tmp_path / "runs" / "k3-7.fit.log").read_text()
     tokens = int(re.search(r"tokens\s+([0-9,]+) \(this run\)", summary)[1].replace(",", ""))
     assert tokens == run["steps"] * 64
-    assert "on the text of the 2 validation blocks (130 bytes)" in summary  # --val_batches 2 of 1 block of 65 tokens
+    # --val_batches 2 of 1 block of 65 tokens
+    assert "on the text of the 2 validation blocks (130 bytes, each block's first token" in summary
     assert math.isfinite(run["final_val_loss"])
     assert title(result) == f"Race at equal wall-clock, 64-token sequences ({result['env']['device']})"
     assert "at 64-token sequences (its batch scaled to the same tokens per step)" in table(result, "race.png")

@@ -58,7 +58,7 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     held = re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the ([\d,]+) bytes its targets encode\)",
                         fields["held-out bpb"])
     same = re.fullmatch(r"gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the text of the 4 validation blocks "
-                        r"\(([\d,]+) bytes\)", fields["same bytes"])
+                        r"\(([\d,]+) bytes, each block's first token included\)", fields["same bytes"])
     # byte tokenizer: the 4 blocks of 33 tokens hold 4 x 33 bytes, of which the targets encode all but 4
     assert held and same and int(held[1].replace(",", "")) == int(same[1].replace(",", "")) - 4 == 4 * 32
     assert re.fullmatch(r"layer0 [\d.]+ · layer1 [\d.]+", fields["MaxVio_global"])  # tiny: 3 layers, 1 dense
