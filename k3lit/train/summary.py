@@ -14,8 +14,8 @@
                      bytes, each block's first token included)
       MaxVio_global  layer0 0.23 · layer1 0.26 · layer2 0.43 · layer3 0.98 · layer4 0.57
       checkpoint     runs/tiny/checkpoints/last.ckpt
-      plots          runs/tiny/expert_load/step0001000.png (TensorBoard: tensorboard --logdir runs/tiny)
-      sample         k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt
+      plots          runs/tiny/expert_load/step0001000.png · TensorBoard: .venv/bin/tensorboard --logdir runs/tiny
+      sample         .venv/bin/k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt
 
 A rich table on a terminal, plain log lines otherwise (as :class:`~k3lit.train.progress.ProgressLines`). Rank
 zero only. ``val/bpb`` divides the validation pass's nats by the UTF-8 bytes its targets encode (every rank's); the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -242,14 +243,28 @@ class RunSummary(Callback):
         if plots or board:
             where = [str(plots[-1])] if plots else []
             if board:
-                where.append(f"TensorBoard: tensorboard --logdir {shlex.quote(str(board))}")
+                where.append(f"TensorBoard: {runnable('tensorboard')} --logdir {shlex.quote(str(board))}")
             rows.append(("plots", " · ".join(where)))
         csv = next((lg.experiment.metrics_file_path for lg in trainer.loggers if isinstance(lg, RunCSVLogger)), None)
         if csv:
             rows.append(("metrics", csv))
         if ckpt:
-            rows.append(("sample", f"k3lit generate --ckpt {shlex.quote(ckpt)}"))
+            rows.append(("sample", f"{runnable('k3lit')} generate --ckpt {shlex.quote(ckpt)}"))
         return rows
+
+
+def runnable(script: str) -> str:
+    """How a shell in the working folder starts the console script ``script``: its bare name where ``PATH`` finds
+    it; otherwise its path beside the running interpreter, where ``make install`` puts it in a virtual environment
+    that is not activated (``.venv/bin/k3lit``: relative to the working folder when inside it), shell-quoted;
+    otherwise the bare name."""
+    if shutil.which(script):
+        return script
+    beside = Path(sys.executable).parent / script
+    if not beside.is_file():
+        return script
+    cwd = Path.cwd()
+    return shlex.quote(str(beside.relative_to(cwd) if beside.is_relative_to(cwd) else beside))
 
 
 def process_age_s() -> float | None:

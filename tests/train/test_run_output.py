@@ -36,7 +36,9 @@ def fit_args(root: Path, cache: str, steps: int, every: int) -> list[str]:
 
 def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path, stdlib_cache):
     """The real command, stdout and stderr to a file (as a SLURM job's log)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    bin_dir = Path(sys.executable).parent  # the virtual environment's scripts, off PATH as after `make install`
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p and Path(p) != bin_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": path}
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "k3lit.cli", *fit_args(tmp_path, stdlib_cache, 6, 3)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
@@ -63,11 +65,15 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     assert held and same and int(held[1].replace(",", "")) == int(same[1].replace(",", "")) - 4 == 4 * 32
     assert re.fullmatch(r"layer0 [\d.]+ · layer1 [\d.]+", fields["MaxVio_global"])  # tiny: 3 layers, 1 dense
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    assert fields["checkpoint"] == str(ckpt) and fields["sample"] == f"k3lit generate --ckpt {ckpt}"
+    # the commands name scripts a shell in the run's folder can start: beside the interpreter when not on PATH
+    scripts = [bin_dir / name for name in ("k3lit", "tensorboard")]
+    k3lit, tensorboard = (str(s.relative_to(ROOT) if s.is_relative_to(ROOT) else s) if s.is_file() else s.name
+                          for s in scripts)
+    assert fields["checkpoint"] == str(ckpt) and fields["sample"] == f"{k3lit} generate --ckpt {ckpt}"
     # the heatmap is on by default: a PNG per interval and at the end, the last one named in the summary
     pngs = sorted((tmp_path / "expert_load").glob("*.png"))
     assert [p.name for p in pngs] == ["step0000003.png", "step0000006.png"]
-    assert fields["plots"].startswith(f"{pngs[-1]} · TensorBoard: tensorboard --logdir {tmp_path}")
+    assert fields["plots"].startswith(f"{pngs[-1]} · TensorBoard: {tensorboard} --logdir {tmp_path}")
     # nothing from Lightning or litdata that a user cannot act on
     for noise in ("litlogger", "Tip:", "IterableDataset` has `__len__`", "is deprecated", "DeprecationWarning",
                   "FutureWarning"):
