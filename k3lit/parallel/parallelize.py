@@ -40,6 +40,7 @@ Meshes without an ``expert_parallel`` axis (e.g. Lightning's ``ModelParallelStra
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -154,8 +155,9 @@ def init_sharded(model: K3LM, mesh: DeviceMesh, dp_dim: str = DP, ep_dim: str = 
     On a CUDA mesh DTensor's RNG tracker gives every shard its own part of one random stream. A CPU mesh has no
     tracker, and each rank would draw its shards from its own generator, which every rank seeds alike (equal
     shards): so each shard position (the coordinate on ``dp_dim`` x ``ep_dim``) draws from the generator
-    reseeded with one random number shared by all ranks plus its index, replicas alike; the global generator's
-    state is restored afterwards.
+    reseeded with one random number plus its index, replicas alike; the number is rank zero's, broadcast (the
+    ranks' generators need not agree: rank zero alone prepares the data, which may draw from it); the global
+    generator's state is restored afterwards.
 
     Args:
         model: the output of :func:`parallelize` for a model built under ``torch.device("meta")``, after
@@ -173,7 +175,10 @@ def init_sharded(model: K3LM, mesh: DeviceMesh, dp_dim: str = DP, ep_dim: str = 
     for name in (dp_dim, ep_dim):
         if name in (mesh.mesh_dim_names or ()):
             index = index * mesh[name].size() + mesh[name].get_local_rank()
+    shared = torch.randint(2**62, ())
+    if dist.is_initialized():
+        dist.broadcast(shared, src=0)
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(int(torch.randint(2**62, ())) + index)  # CPU generator only
+        torch.default_generator.manual_seed(int(shared) + index)  # CPU generator only
         model.init_weights()
     return model

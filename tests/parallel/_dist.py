@@ -94,9 +94,10 @@ class RecordBatches(L.Callback):
 
 
 class RecordInit(L.Callback):
-    """Saves ``{"meta_at_setup", "local_numel", "numel"}`` of ``pl_module.model`` to ``{dirpath}/init.{rank}.pt``
-    when training starts: whether every parameter was on the meta device at ``setup`` (before
-    ``configure_model``), and the parameter elements this rank holds (its shards) and the model has."""
+    """Saves ``{"meta_at_setup", "local_numel", "numel", "shards"}`` of ``pl_module.model`` to
+    ``{dirpath}/init.{rank}.pt`` when training starts: whether every parameter was on the meta device at ``setup``
+    (before ``configure_model``), the parameter elements this rank holds (its shards) and the model has, and this
+    rank's shard of every parameter."""
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath
@@ -108,5 +109,8 @@ class RecordInit(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
         params = list(pl_module.model.parameters())
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
-        record = {"meta_at_setup": self.meta_at_setup, "local_numel": local, "numel": sum(p.numel() for p in params)}
+        shards = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+                  for name, p in pl_module.model.named_parameters()}
+        record = {"meta_at_setup": self.meta_at_setup, "local_numel": local, "numel": sum(p.numel() for p in params),
+                  "shards": shards}
         torch.save(record, os.path.join(self.dirpath, f"init.{trainer.global_rank}.pt"))
