@@ -3,6 +3,7 @@ positions and slurm.
 
     k3lit fit --config recipes/tiny.yaml --model.n_layers=4 --trainer.max_steps=100
     k3lit fit --config recipes/tiny.yaml --ckpt_path last          # resume (architecture from the checkpoint)
+    k3lit fit --config recipes/small_32k.yaml --init_weights runs/small/checkpoints/last.ckpt  # continue training
     k3lit prepare --config recipes/tiny.yaml                       # tokenise the corpus into litdata chunks
     k3lit generate --ckpt runs/tiny/checkpoints/last.ckpt --prompt "def "
     k3lit positions --ckpt runs/tiny/checkpoints/last.ckpt --png positions.png  # bpb by position, longer inputs
@@ -48,15 +49,23 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from k3lit import lightning_compat as compat
 from k3lit.data import K3DataModule
 from k3lit.data.datamodule import tokenizer_from_state
+from k3lit.data.tokenizer import parse_tokenizer_spec
 from k3lit.model import K3LM, RUNTIME_FIELDS, ModelConfig, check_sampling
 from k3lit.parallel.process_exit import exit_process
 from k3lit.train.callbacks import K3ThroughputMonitor, LastCheckpoint, SlurmRequeue
-from k3lit.train.checkpoint import CheckpointError, check_checkpoint, checkpoint_hparams, load_model_checkpoint
+from k3lit.train.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    checkpoint_hparams,
+    checkpoint_tokenizer,
+    load_model_checkpoint,
+    tokenizer_error,
+)
 from k3lit.train.checkpoint_background import BackgroundCheckpointIO
 from k3lit.train.checkpoint_save import DirectCheckpointIO, K3Trainer, is_local_path, settle, settle_folder
 from k3lit.train.csv_log import RunCSVLogger
@@ -130,6 +139,10 @@ class K3CLI(LightningCLI):
         parser.add_argument("--compile_mode", type=Literal[COMPILE_MODES] | None, default=None,
                             help="torch.compile's mode (null: its default); 'reduce-overhead': CUDA graphs of each "
                                  "compiled region (recipes/small.yaml's setting)")
+        parser.add_argument("--init_weights", type=str | None, default=None,
+                            help="fit only: start from the model weights of this checkpoint (file or sharded folder; "
+                                 "its architecture and tokenizer, any seq_len) with a fresh optimizer, schedule, "
+                                 "step count and data order; ignored when --ckpt_path resumes a run")
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")
@@ -151,6 +164,9 @@ class K3CLI(LightningCLI):
         ckpt_path = self._resolve_ckpt_path()
         if ckpt_path is not None:
             model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
+        init_weights = self._init_weights(ckpt_path)
+        if init_weights is not None:
+            model_cfg = self._checkpoint_architecture(init_weights, model_cfg, flag="--init_weights")
         for logger in self.trainer.loggers:  # continue metrics.csv only when a checkpoint is really loaded
             if isinstance(logger, RunCSVLogger):
                 logger.append = ckpt_path is not None
@@ -173,7 +189,8 @@ class K3CLI(LightningCLI):
                                  compile=self._value(self.config_init, "compile"),
                                  compile_mode=self._value(self.config_init, "compile_mode"),
                                  compile_scope=self._value(self.config_init, "compile_scope", "sublayers"),
-                                 empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy))
+                                 empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy),
+                                 init_weights=init_weights)
 
     def _parse_ckpt_path(self) -> None:
         """Off: LightningCLI's would replace the whole recipe ``model`` with the checkpoint's, for a file path only,
@@ -196,8 +213,10 @@ class K3CLI(LightningCLI):
                 ckpt_path = compat.resolve_ckpt_path(self.trainer, fn, ckpt_path)
             if ckpt_path is None and asked == "last":
                 where = [str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if cb.dirpath]
+                init = self._value(self.config_init, "init_weights")
                 rank_zero_warn(f"--ckpt_path last: no last.ckpt in {' or '.join(where) or 'the run folder'} yet; "
-                               "this run starts from scratch")
+                               + (f"this run starts from the weights of {init}" if init else
+                                  "this run starts from scratch"))
             self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
         return None if ckpt_path is None else str(check_checkpoint(ckpt_path))
 
@@ -212,7 +231,27 @@ class K3CLI(LightningCLI):
         if ckpt_path not in (None, "last", "hpc") and is_local_path(ckpt_path):
             settle(ckpt_path)
 
-    def _checkpoint_architecture(self, ckpt_path: str, model_cfg: ModelConfig) -> ModelConfig:
+    def _init_weights(self, ckpt_path: str | None) -> str | None:
+        """The checkpoint ``--init_weights`` names, checked whole (:func:`check_checkpoint`); None without the flag,
+        and when ``ckpt_path`` resumes a run: its checkpoint holds the weights training has reached since (a
+        requeued job keeps its command line). Raises ValueError outside ``fit``."""
+        path = self._value(self.config_init, "init_weights")
+        if path is None:
+            return None
+        if self.subcommand not in (None, "fit"):  # None: built with run=False, for the caller's trainer.fit
+            raise ValueError(f"--init_weights is for fit; {self.subcommand} takes the weights of --ckpt_path")
+        if ckpt_path is not None:
+            rank_zero_info(f"k3lit: resuming from {ckpt_path}; --init_weights {path} is not read")
+            return None
+        path = str(check_checkpoint(path))
+        # the specs now; a trained BPE's vocabulary once the corpus is prepared (K3LitModule.configure_model)
+        saved, ours = (checkpoint_tokenizer(path) or {}).get("tokenizer_spec"), self.datamodule.tokenizer_spec
+        if saved is not None and saved != ours and "file" not in {parse_tokenizer_spec(s)[0] for s in (saved, ours)}:
+            raise tokenizer_error(path, saved, ours)
+        return path
+
+    def _checkpoint_architecture(self, ckpt_path: str, model_cfg: ModelConfig,
+                                 flag: str = "--ckpt_path") -> ModelConfig:
         """``model_cfg`` with every field that shapes the weights taken from the checkpoint, so they always load
         into the architecture that wrote them; the :data:`~k3lit.model.RUNTIME_FIELDS` (activation checkpointing,
         KDA backend, balancer rates, capacity) and the whole ``optim`` section stay as this run sets them. Warns
@@ -226,7 +265,7 @@ class K3CLI(LightningCLI):
         replaced = [f"model.{k}={getattr(model_cfg, k)!r} (checkpoint: {v!r})" for k, v in kept.items()
                     if getattr(model_cfg, k) is not None and getattr(model_cfg, k) != v]
         if replaced:
-            rank_zero_warn(f"--ckpt_path {ckpt_path}: the checkpoint's architecture replaces " + ", ".join(replaced)
+            rank_zero_warn(f"{flag} {ckpt_path}: the checkpoint's architecture replaces " + ", ".join(replaced)
                            + f"; only {', '.join(RUNTIME_FIELDS)} and optim.* can differ from the checkpoint")
         model_cfg = dataclasses.replace(model_cfg, **kept)
         section = self.config[self.subcommand] if self.subcommand else self.config
@@ -281,7 +320,8 @@ def prepare_main(argv: list[str]) -> None:
     parser.add_class_arguments(K3DataModule, "data")
     for group in ("model", "optim", "trainer"):
         parser.add_argument(f"--{group}", type=dict, default={}, help="ignored (recipes carry it for fit)")
-    for key in ("seed_everything", "compile", "compile_mode", "compile_scope", "float32_matmul_precision"):
+    for key in ("seed_everything", "compile", "compile_mode", "compile_scope", "init_weights",
+                "float32_matmul_precision"):
         parser.add_argument(f"--{key}", type=int | bool | str | None, default=None, help="ignored (used by fit)")
     cfg = _instantiate(parser, parser.parse_args(argv))
     dm: K3DataModule = cfg.data

@@ -158,3 +158,38 @@ def test_sharded_checkpoint_resumes_on_two_and_on_one_process(tmp_path, corpus, 
         assert torch.equal(capture.optim["state"][name]["exp_avg_sq"], state["exp_avg_sq"]), name
     losses = _losses(tmp_path / "one")
     assert sorted(losses) == [4, 5] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+
+
+@pytest.mark.slow
+def test_init_weights_from_a_sharded_checkpoint_on_two_processes_and_on_one(tmp_path, corpus, monkeypatch):
+    """`fit --init_weights <sharded folder>`: under FSDP2 on 2 processes each rank keeps its shards of the saved
+    weights, on one process the model holds them whole; both at step 0 (on 2 processes with no optimizer state yet),
+    at twice the source's sequence length."""
+    source = tmp_path / "source"
+    _fit_two_processes(source, corpus, 2)
+    folder = source / "checkpoints" / "last.ckpt"
+    saved = _full(folder, tmp_path)["state_dict"]
+    longer = ["--init_weights", str(folder), "--data.seq_len=128", "--data.batch_size=2"]
+
+    two = tmp_path / "two"
+    two.mkdir()
+    _fit_two_processes(two, corpus, 2, *longer, "--trainer.callbacks+=tests.train.probes.StartWeights",
+                       f"--trainer.callbacks.dirpath={two}")
+    start = torch.load(two / "start.pt", weights_only=False)
+    assert start["step"] == 0 and start["optimizer_entries"] == 0 and start["state_dict"].keys() == saved.keys()
+    for name, t in saved.items():
+        assert torch.equal(start["state_dict"][name], t), name
+    assert sorted(_losses(two)) == [0, 1]
+
+    one_process_env(monkeypatch)
+    cli = K3CLI(args=[*_args(tmp_path / "one", corpus, 1, 1), *longer], run=False)
+    capture = Capture()
+    cli.trainer.callbacks.append(capture)
+    try:
+        cli.trainer.fit(cli.model, cli.datamodule)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert capture.step == 0 and capture.model.keys() == saved.keys()
+    for name, t in saved.items():
+        assert torch.equal(capture.model[name], t), name

@@ -10,11 +10,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from k3lit.train.checkpoint_save import staged_paths
 
-__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_hparams", "load_model_checkpoint"]
+__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_hparams", "checkpoint_tokenizer", "load_initial_weights",
+           "load_model_checkpoint", "tokenizer_error"]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 ZIP_RECORD = b"PK\x03\x04"  # how every torch.save archive starts, so every record of a shard
@@ -105,7 +109,27 @@ def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     """The ``hyper_parameters`` saved with a checkpoint (file or sharded folder) that :func:`check_checkpoint`
     accepted, without loading any weights."""
     p = Path(path)
-    return torch.load(p / META if p.is_dir() else p, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    record = torch.load(p / META, map_location="cpu", weights_only=True) if p.is_dir() else \
+        torch.load(p, map_location="cpu", weights_only=True, mmap=True)  # its tensors stay on disk
+    return record.get("hyper_parameters", {})
+
+
+def checkpoint_tokenizer(path: str | Path) -> dict | None:
+    """The ``K3DataModule.state_dict()`` saved with a checkpoint that :func:`check_checkpoint` accepted (the
+    tokenizer's spec and JSON), None if it holds none; reads no weights."""
+    p = Path(path)
+    record = torch.load(p / META, map_location="cpu", weights_only=False) if p.is_dir() else \
+        torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+    return record.get("K3DataModule")
+
+
+def tokenizer_error(path: str | Path, saved: str | None, ours: str | None) -> ValueError:
+    """The error for an ``--init_weights`` checkpoint trained with another tokenizer than this run's."""
+    return ValueError(
+        f"--init_weights {path}: the checkpoint was trained with tokenizer {saved!r}, this run reads {ours!r} (or "
+        "the same spec trained on other text): its token ids would stand for other text; set --data.corpus and "
+        "--data.tokenizer to the checkpoint's"
+    )
 
 
 def load_model_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -134,3 +158,45 @@ def load_model_checkpoint(path: str | Path) -> dict[str, Any]:
     ckpt = torch.load(p / META, map_location="cpu", weights_only=False)
     ckpt["state_dict"] = weights
     return ckpt
+
+
+def load_initial_weights(model: nn.Module, path: str | Path, tokenizer: dict | None = None) -> None:
+    """Copy the weights and buffers (the MoE balancers' bias and threshold) of the checkpoint at ``path``, a file or
+    a sharded folder, into ``model`` (a :class:`~k3lit.model.K3LM`, plain or sharded by FSDP2 / expert parallelism:
+    each rank keeps its own shards of the full tensors, ``torch.distributed.checkpoint``'s
+    ``set_model_state_dict``). Its optimizer states are not read.
+
+    Args:
+        model: the model the checkpoint's ``model.*`` entries belong to, materialised (no meta tensors).
+        path: the checkpoint.
+        tokenizer: this run's ``K3DataModule.state_dict()`` (the tokenizer's spec and JSON); when given, the
+            checkpoint's must hold the same tokenizer, else its token ids would stand for other text.
+
+    Raises:
+        FileNotFoundError, CheckpointError: as :func:`load_model_checkpoint`.
+        ValueError: another tokenizer, or entries whose names or shapes differ from ``model``'s (another
+            architecture).
+    """
+    ckpt = load_model_checkpoint(path)
+    saved = ckpt.get("K3DataModule")
+    if tokenizer is not None and saved is not None and not _same_tokenizer(saved, tokenizer):
+        raise tokenizer_error(path, saved.get("tokenizer_spec"), tokenizer.get("tokenizer_spec"))
+    weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    ours = model.state_dict()
+    missing, extra = sorted(ours.keys() - weights.keys()), sorted(weights.keys() - ours.keys())
+    shapes = [f"{k} {tuple(weights[k].shape)} (model: {tuple(ours[k].shape)})"
+              for k in sorted(ours.keys() & weights.keys()) if tuple(weights[k].shape) != tuple(ours[k].shape)]
+    if missing or extra or shapes:
+        raise ValueError(f"--init_weights {path}: the checkpoint holds another architecture: missing {missing[:4]}, "
+                         f"unexpected {extra[:4]}, other shapes {shapes[:4]}")
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=True))
+    rank_zero_info(f"k3lit: model weights from {path} (step {ckpt.get('global_step', '?')} of its run); the "
+                   "optimizer, schedule, step count and data order start afresh")
+
+
+def _same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two ``K3DataModule.state_dict()`` hold the same tokenizer: the same JSON (trained BPE, a tokenizer
+    file), or for built-in tokenizers without one the same spec."""
+    if a.get("tokenizer_json") is not None or b.get("tokenizer_json") is not None:
+        return a.get("tokenizer_json") == b.get("tokenizer_json")
+    return a.get("tokenizer_spec") == b.get("tokenizer_spec")

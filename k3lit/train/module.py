@@ -18,6 +18,7 @@ from typing_extensions import override
 from k3lit import lightning_compat as compat
 from k3lit.model import K3LM, ModelConfig
 from k3lit.nn.moe import MoE, update_balancers
+from k3lit.train.checkpoint import load_initial_weights
 from k3lit.train.loss import compiled_next_token_loss, next_token_loss
 from k3lit.train.metrics import ExpertLoad
 from k3lit.train.optim import OptimConfig
@@ -70,6 +71,11 @@ class K3LitModule(L.LightningModule):
         empty_init: build the K3LM on the meta device (no memory); :meth:`configure_model` shards it and
             materialises only this rank's shards. For sharding strategies (``k3lit fit`` sets it under a
             ``ModelParallelStrategy``); not saved as a hyper-parameter, so checkpoints load into a full model.
+        init_weights: a checkpoint (file or sharded folder) whose model weights and balancer buffers
+            :meth:`configure_model` loads, once the model is materialised and sharded; everything else (optimizer,
+            schedule, step count, data position) starts afresh. Its architecture must be ``model``'s (``k3lit fit
+            --init_weights`` takes it from the checkpoint) and its tokenizer the data module's. Not saved as a
+            hyper-parameter (the run's config.yaml records it).
 
     Raises:
         ValueError: an unknown ``compile_scope`` or ``compile_mode``.
@@ -83,6 +89,7 @@ class K3LitModule(L.LightningModule):
         compile_mode: str | None = None,
         compile_scope: Literal["sublayers", "model"] = "sublayers",
         empty_init: bool = False,
+        init_weights: str | None = None,
     ) -> None:
         super().__init__()
         if compile_scope not in ("sublayers", "model"):
@@ -93,7 +100,8 @@ class K3LitModule(L.LightningModule):
         self.compile_model = compile
         self.compile_mode = compile_mode
         self.compile_scope = compile_scope
-        self.save_hyperparameters(ignore=["empty_init"])
+        self.save_hyperparameters(ignore=["empty_init", "init_weights"])
+        self.init_weights = init_weights
         self.model_config = model
         self.optim_config = optim or OptimConfig()
         with torch.device("meta") if empty_init else nullcontext():
@@ -152,6 +160,15 @@ class K3LitModule(L.LightningModule):
                 from k3lit.parallel import init_sharded
 
                 init_sharded(self.model, self.device_mesh)
+        if self.init_weights is not None and not getattr(self, "_weights_loaded", False):
+            load_initial_weights(self.model, self.init_weights, self._data_tokenizer())
+            self._weights_loaded = True
+
+    def _data_tokenizer(self) -> dict | None:
+        """The trainer's data module's tokenizer state (``K3DataModule.state_dict()``), None without one."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        state = dm.state_dict() if dm is not None else None
+        return state if state and "tokenizer_spec" in state else None
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """`k3lit fit` with ExpertParallelStrategy on 4 CPU processes (gloo), hybrid sharding (2 replicas) x expert
 parallelism 2: builds the model on the meta device and materialises each rank's shards, trains, writes a
-torch-distributed checkpoint and heatmaps, feeds each rank (replicas too) its own samples, and resumes on 1
-process (DTensor resharding)."""
+torch-distributed checkpoint and heatmaps, feeds each rank (replicas too) its own samples, resumes on 1
+process (DTensor resharding) and starts a new expert-parallel run from its weights (``--init_weights``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from k3lit.parallel import ExpertParallelStrategy, mesh_shape
 
@@ -64,8 +65,11 @@ def test_fit_hsdp_checkpoint_resume_on_1_process(tmp_path):
     # built on the meta device; each rank then materialised only its shards (about half the model: a shard group
     # is 2 ranks), and the two replicas together hold every element twice
     inits = [torch.load(tmp_path / f"init.{r}.pt") for r in range(4)]
-    assert all(i["meta_at_setup"] and i["local_numel"] < 0.6 * i["numel"] for i in inits), inits
-    assert sum(i["local_numel"] for i in inits) == 2 * inits[0]["numel"], inits
+    sizes = [(i["meta_at_setup"], i["local_numel"], i["numel"]) for i in inits]
+    assert all(i["meta_at_setup"] and i["local_numel"] < 0.6 * i["numel"] for i in inits), sizes
+    assert sum(i["local_numel"] for i in inits) == 2 * inits[0]["numel"], sizes
+    for a, b in ((0, 2), (1, 3)):  # ranks a and b: the same shards of the two replicas, initialised alike
+        assert all(torch.equal(t, inits[b]["shards"][name]) for name, t in inits[a]["shards"].items())
     assert metric(first, "train/max_vio/layer0") and metric(first, "val/max_vio/layer1")
     assert sorted(p.name for p in (first / "expert_load").glob("*.png")) == ["step0000002.png", "step0000004.png"]
     ckpt = first / "checkpoints" / "last.ckpt"
@@ -80,6 +84,19 @@ def test_fit_hsdp_checkpoint_resume_on_1_process(tmp_path):
     assert sorted(resumed) == [4, 5], resumed
     # the trained weights were loaded: far below the first loss of the fresh model (about ln 256 = 5.5)
     assert resumed[4] < loss[0] - 0.3, (loss, resumed)
+
+    # a new run from those weights on 2 processes, experts split over them (expert parallelism 2): each rank holds
+    # its experts' and its FSDP shards of exactly the saved tensors, at step 0
+    init = tmp_path / "init"
+    init.mkdir()
+    fit(init, cache, 1, 2, 2, f"--init_weights={ckpt}", "--trainer.callbacks+=tests.train.probes.StartWeights",
+        f"--trainer.callbacks.dirpath={init}")
+    dcp_to_torch_save(ckpt, tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)["state_dict"]
+    start = torch.load(init / "start.pt", weights_only=False)
+    assert start["step"] == 0 and start["optimizer_entries"] == 0 and start["state_dict"].keys() == saved.keys()
+    for name, t in saved.items():
+        assert torch.equal(start["state_dict"][name], t), name
 
 
 def test_mesh_errors_print_every_factor():

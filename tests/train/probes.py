@@ -25,3 +25,19 @@ class CheckpointSteps(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         (self.dirpath / "checkpoint_steps.json").write_text(json.dumps(self.seen))
+
+
+class StartWeights(Callback):
+    """As training starts (after any loading), the full model state (gathered from every rank's shards), the step
+    and the optimizer's state size; rank zero saves them to ``<dirpath>/start.pt``."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = Path(dirpath)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            torch.save({"state_dict": {k: v.clone() for k, v in full.items()}, "step": trainer.global_step,
+                        "optimizer_entries": len(trainer.optimizers[0].state)}, self.dirpath / "start.pt")
