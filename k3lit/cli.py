@@ -62,7 +62,7 @@ from k3lit.train.checkpoint import (
     CheckpointError,
     check_checkpoint,
     checkpoint_hparams,
-    checkpoint_tokenizer,
+    checkpoint_record,
     load_model_checkpoint,
     tokenizer_error,
 )
@@ -164,6 +164,7 @@ class K3CLI(LightningCLI):
         ckpt_path = self._resolve_ckpt_path()
         if ckpt_path is not None:
             model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
+            self._warn_against_checkpoint(ckpt_path)
         init_weights = self._init_weights(ckpt_path)
         if init_weights is not None:
             model_cfg = self._checkpoint_architecture(init_weights, model_cfg, flag="--init_weights")
@@ -231,6 +232,20 @@ class K3CLI(LightningCLI):
         if ckpt_path not in (None, "last", "hpc") and is_local_path(ckpt_path):
             settle(ckpt_path)
 
+    def _warn_against_checkpoint(self, ckpt_path: str) -> None:
+        """Warn where this run and the checkpoint it loads disagree in a way that changes what the run does: ``fit``
+        resumed at or past its ``max_steps`` (nothing is left to train), ``validate`` on sequences of another
+        length than the checkpoint trained on."""
+        record = checkpoint_record(ckpt_path)
+        step, max_steps = record.get("global_step"), self.trainer.max_steps
+        if self.subcommand == "fit" and isinstance(step, int) and 0 <= max_steps <= step:
+            rank_zero_warn(f"--ckpt_path {ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is "
+                           "left to train; raise --trainer.max_steps to continue")
+        trained = (record.get("datamodule_hyper_parameters") or {}).get("seq_len")
+        if self.subcommand == "validate" and trained is not None and trained != self.datamodule.seq_len:
+            rank_zero_warn(f"--ckpt_path {ckpt_path} trained on sequences of {trained} tokens; this validation reads "
+                           f"{self.datamodule.seq_len} (--data.seq_len={trained} reads what it trained on)")
+
     def _init_weights(self, ckpt_path: str | None) -> str | None:
         """The checkpoint ``--init_weights`` names, checked whole (:func:`check_checkpoint`); None without the flag,
         and when ``ckpt_path`` resumes a run: its checkpoint holds the weights training has reached since (a
@@ -243,11 +258,18 @@ class K3CLI(LightningCLI):
         if ckpt_path is not None:
             rank_zero_info(f"k3lit: resuming from {ckpt_path}; --init_weights {path} is not read")
             return None
-        path = str(check_checkpoint(path))
+        if path in ("last", "hpc"):
+            raise ValueError(f"--init_weights takes a checkpoint file or sharded folder; '{path}' is for --ckpt_path "
+                             "(resuming this run folder's own checkpoint)")
+        try:
+            path = str(check_checkpoint(path))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--init_weights: {e}") from None
         # the specs now; a trained BPE's vocabulary once the corpus is prepared (K3LitModule.configure_model)
-        saved, ours = (checkpoint_tokenizer(path) or {}).get("tokenizer_spec"), self.datamodule.tokenizer_spec
+        record = checkpoint_record(path)
+        saved, ours = (record.get("K3DataModule") or {}).get("tokenizer_spec"), self.datamodule.tokenizer_spec
         if saved is not None and saved != ours and "file" not in {parse_tokenizer_spec(s)[0] for s in (saved, ours)}:
-            raise tokenizer_error(path, saved, ours)
+            raise tokenizer_error(path, record, ours)
         return path
 
     def _checkpoint_architecture(self, ckpt_path: str, model_cfg: ModelConfig,

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from k3lit.train.checkpoint_save import staged_paths
 
-__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_hparams", "checkpoint_tokenizer", "load_initial_weights",
+__all__ = ["CheckpointError", "check_checkpoint", "checkpoint_hparams", "checkpoint_record", "load_initial_weights",
            "load_model_checkpoint", "tokenizer_error"]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -105,6 +105,16 @@ def _name(f: Path, ckpt: Path) -> str:
     return "" if f == ckpt else f"{f.name}: "
 
 
+def checkpoint_record(path: str | Path) -> dict[str, Any]:
+    """What a checkpoint (file or sharded folder) that :func:`check_checkpoint` accepted holds besides its tensors,
+    read without loading them (a file is memory-mapped): ``hyper_parameters``, ``global_step``,
+    ``datamodule_hyper_parameters``, the data module's state (``K3DataModule``: the tokenizer), ..."""
+    p = Path(path)
+    if p.is_dir():
+        return torch.load(p / META, map_location="cpu", weights_only=False)
+    return torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+
+
 def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     """The ``hyper_parameters`` saved with a checkpoint (file or sharded folder) that :func:`check_checkpoint`
     accepted, without loading any weights."""
@@ -114,22 +124,15 @@ def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     return record.get("hyper_parameters", {})
 
 
-def checkpoint_tokenizer(path: str | Path) -> dict | None:
-    """The ``K3DataModule.state_dict()`` saved with a checkpoint that :func:`check_checkpoint` accepted (the
-    tokenizer's spec and JSON), None if it holds none; reads no weights."""
-    p = Path(path)
-    record = torch.load(p / META, map_location="cpu", weights_only=False) if p.is_dir() else \
-        torch.load(p, map_location="cpu", weights_only=False, mmap=True)
-    return record.get("K3DataModule")
-
-
-def tokenizer_error(path: str | Path, saved: str | None, ours: str | None) -> ValueError:
-    """The error for an ``--init_weights`` checkpoint trained with another tokenizer than this run's."""
-    return ValueError(
-        f"--init_weights {path}: the checkpoint was trained with tokenizer {saved!r}, this run reads {ours!r} (or "
-        "the same spec trained on other text): its token ids would stand for other text; set --data.corpus and "
-        "--data.tokenizer to the checkpoint's"
-    )
+def tokenizer_error(path: str | Path, record: dict[str, Any], ours: str) -> ValueError:
+    """The error for an ``--init_weights`` checkpoint (``record``: :func:`checkpoint_record`) whose tokenizer is not
+    this run's (``ours``: its spec), naming the checkpoint's tokenizer and corpus."""
+    saved = (record.get("K3DataModule") or {}).get("tokenizer_spec")
+    corpus = (record.get("datamodule_hyper_parameters") or {}).get("corpus")
+    what = (f"its tokenizer {saved!r} was trained on other text than this run's" if saved == ours else
+            f"the checkpoint was trained with tokenizer {saved!r}, this run reads {ours!r}")
+    return ValueError(f"--init_weights {path}: {what}, so its token ids would stand for other text; set "
+                      f"--data.tokenizer={saved} --data.corpus={corpus} (the checkpoint's)")
 
 
 def load_model_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -180,7 +183,7 @@ def load_initial_weights(model: nn.Module, path: str | Path, tokenizer: dict | N
     ckpt = load_model_checkpoint(path)
     saved = ckpt.get("K3DataModule")
     if tokenizer is not None and saved is not None and not _same_tokenizer(saved, tokenizer):
-        raise tokenizer_error(path, saved.get("tokenizer_spec"), tokenizer.get("tokenizer_spec"))
+        raise tokenizer_error(path, ckpt, tokenizer.get("tokenizer_spec"))
     weights = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     ours = model.state_dict()
     missing, extra = sorted(ours.keys() - weights.keys()), sorted(weights.keys() - ours.keys())

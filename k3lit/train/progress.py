@@ -207,7 +207,7 @@ class ProgressLines(ProgressBar):
             self.pace.validation_started()
             if self._enabled:  # a line before a pass that may take minutes, so the log does not look stuck
                 batches = sum(trainer.num_val_batches)
-                count = f" {batches:,} batches" if math.isfinite(batches) else ""
+                count = f" {batches:,} batch{'es' if batches != 1 else ''}" if math.isfinite(batches) else ""
                 rank_zero_info(f"step {trainer.global_step} · validating{count}")
 
     @override

@@ -246,7 +246,7 @@ class RunSummary(Callback):
                 where.append(f"TensorBoard: {runnable('tensorboard')} --logdir {shlex.quote(str(board))}")
             rows.append(("plots", " · ".join(where)))
         csv = next((lg.experiment.metrics_file_path for lg in trainer.loggers if isinstance(lg, RunCSVLogger)), None)
-        if csv:
+        if csv and os.path.isfile(csv):  # none when no step was logged
             rows.append(("metrics", csv))
         if ckpt:
             rows.append(("sample", f"{runnable('k3lit')} generate --ckpt {shlex.quote(ckpt)}"))

@@ -89,8 +89,17 @@ def test_a_resumed_run_reads_its_own_checkpoint_not_init_weights(tmp_path, stdli
 
 
 def test_another_tokenizer_is_refused_before_anything_runs(tmp_path, stdlib_cache, source):
-    with pytest.raises(ValueError, match=r"--init_weights .*trained with tokenizer 'byte', this run reads 'bpe:300'"):
+    with pytest.raises(ValueError, match=r"--init_weights .*trained with tokenizer 'byte', this run reads 'bpe:300', "
+                                         r"so .*; set --data\.tokenizer=byte --data\.corpus=stdlib"):
         K3CLI(args=_args(tmp_path, stdlib_cache, 2, "--init_weights", str(source), tokenizer="bpe:300"), run=False)
+
+
+def test_a_path_that_is_no_checkpoint_is_named_with_the_flag(tmp_path, stdlib_cache):
+    with pytest.raises(ValueError, match=r"--init_weights takes a checkpoint file or sharded folder; 'last' is for "
+                                         r"--ckpt_path"):
+        K3CLI(args=_args(tmp_path, stdlib_cache, 2, "--init_weights", "last"), run=False)
+    with pytest.raises(FileNotFoundError, match=r"^--init_weights: checkpoint .*nope\.ckpt not found"):
+        K3CLI(args=_args(tmp_path, stdlib_cache, 2, "--init_weights", str(tmp_path / "nope.ckpt")), run=False)
 
 
 def test_the_same_bpe_spec_trained_on_other_text_is_refused(tmp_path):
@@ -105,8 +114,8 @@ def test_the_same_bpe_spec_trained_on_other_text_is_refused(tmp_path):
     common = ["--data.val_fraction=0.2", "--data.prepare_workers=1"]
     main(["fit", *_args(tmp_path / "src", str(tmp_path / "cache"), 1, *MODEL, f"--data.corpus={corpora['a']}", *common,
                         tokenizer="bpe:300")])
-    with pytest.raises(ValueError, match=r"trained with tokenizer 'bpe:300', this run reads 'bpe:300' \(or the same "
-                                         r"spec trained on other text\)"):
+    with pytest.raises(ValueError, match=rf"its tokenizer 'bpe:300' was trained on other text than this run's, .*; "
+                                         rf"set --data\.tokenizer=bpe:300 --data\.corpus={corpora['a']}"):
         _fit(_args(tmp_path / "new", str(tmp_path / "cache"), 1, f"--data.corpus={corpora['b']}", *common,
                    "--init_weights", str(tmp_path / "src" / "checkpoints" / "last.ckpt"), tokenizer="bpe:300"))
 
