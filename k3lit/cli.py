@@ -45,7 +45,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -77,6 +76,7 @@ from k3lit.train.optim import OptimConfig
 from k3lit.train.progress import ProgressLines, StepProgressBar
 from k3lit.train.quiet import quiet_third_party
 from k3lit.train.summary import RunSummary
+from k3lit.train.tensorboard_log import RunTensorBoardLogger
 
 DEFAULT_EVERY_N_STEPS = 100  # checkpoint and heatmap interval when val_check_interval is neither steps nor a time
 
@@ -168,11 +168,11 @@ class K3CLI(LightningCLI):
         init_weights = self._init_weights(ckpt_path)
         if init_weights is not None:
             model_cfg = self._checkpoint_architecture(init_weights, model_cfg, flag="--init_weights")
-        for logger in self.trainer.loggers:  # continue metrics.csv only when a checkpoint is really loaded
-            if isinstance(logger, RunCSVLogger):
+        for logger in self.trainer.loggers:  # continue metrics.csv and the events only when a checkpoint is loaded
+            if isinstance(logger, RunCSVLogger | RunTensorBoardLogger):
                 logger.append = ckpt_path is not None
-        for cb in self.trainer.callbacks:  # and keep last.ckpt; a fresh run moves an earlier one aside
-            if isinstance(cb, LastCheckpoint):
+        for cb in self.trainer.callbacks:  # and keep last.ckpt and the heatmaps; a fresh run moves earlier ones aside
+            if isinstance(cb, LastCheckpoint | ExpertLoadPlots):
                 cb.resume = ckpt_path is not None
         data_vocab = self.datamodule.vocab_size
         if model_cfg.vocab_size is None:
@@ -315,8 +315,8 @@ class K3CLI(LightningCLI):
         every = every if steps and every > 0 else DEFAULT_EVERY_N_STEPS
         if cfg.get("logger") in (None, True):
             out["logger"] = [
-                TensorBoardLogger(root, name="", version=""),
-                RunCSVLogger(root),  # append: set in instantiate_classes, once the checkpoint is resolved
+                RunTensorBoardLogger(root),  # append: set in instantiate_classes, once the checkpoint is resolved
+                RunCSVLogger(root),
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):  # and when training ends

@@ -294,8 +294,9 @@ def test_progress_is_printed_as_lines_when_stdout_is_not_a_terminal(tmp_path, ca
 
 
 def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, cache, monkeypatch, recwarn):
-    """`--ckpt_path last` continues metrics.csv (the steps before the resume stay) and last.ckpt; a fresh run keeps
-    the old files aside and writes its own last.ckpt (not last-v1.ckpt beside a stale one)."""
+    """`--ckpt_path last` continues metrics.csv (the steps before the resume stay), last.ckpt, the TensorBoard events
+    and the heatmaps; a fresh run keeps the old files aside (metrics.1.csv, previous.1.ckpt, tensorboard.1/,
+    expert_load.1/) and writes its own last.ckpt (not last-v1.ckpt beside a stale one)."""
     monkeypatch.chdir(Path(__file__).parents[1])
     main(fit_args(tmp_path, cache, 3))
     before = read_metric(tmp_path, "train/loss")
@@ -304,8 +305,15 @@ def test_resume_appends_to_metrics_csv_and_a_fresh_run_moves_it_aside(tmp_path, 
     assert sorted(read_metric(tmp_path, "train/loss")) == list(range(6))
     assert {s: read_metric(tmp_path, "train/loss")[s] for s in range(3)} == before
     assert not any("will be deleted" in str(w.message) for w in recwarn)
-    main(fit_args(tmp_path, cache, 2))  # from scratch in the same directory: the earlier file is moved, not lost
+    events = sorted(p.name for p in tmp_path.glob("events.out.tfevents.*"))  # the first launch's and the resume's
+    plots = sorted(p.name for p in (tmp_path / "expert_load").iterdir())
+    assert len(events) == 2 and plots == ["step0000003.png", "step0000006.png"]
+    main(fit_args(tmp_path, cache, 2))  # from scratch in the same directory: the earlier files are moved, not lost
     assert sorted(read_metric(tmp_path, "train/loss")) == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "tensorboard.1").iterdir()) == events
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # the fresh run's own
+    assert sorted(p.name for p in (tmp_path / "expert_load.1").iterdir()) == plots
+    assert sorted(p.name for p in (tmp_path / "expert_load").iterdir()) == ["step0000002.png"]
     with open(tmp_path / "metrics.1.csv") as f:
         assert sorted({int(r["step"]) for r in csv.DictReader(f) if r["train/loss"]}) == list(range(6))
     ckpts = tmp_path / "checkpoints"

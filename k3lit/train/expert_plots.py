@@ -22,9 +22,12 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
+
+from k3lit.train.run_dir import move_aside
 
 __all__ = ["ExpertLoadPlots", "render_heatmap"]
 
@@ -71,7 +74,9 @@ class ExpertLoadPlots(L.Callback):
         every_n_steps: plot interval in optimizer steps (>= 1); None: at the end of every validation that runs during
             ``fit`` (the latest training step's load; validation starts on every rank together, so a time-based
             ``val_check_interval`` paces the plots without each rank reading its own clock).
-        dirpath: folder for the PNG files; default ``<trainer.log_dir or default_root_dir>/expert_load``.
+        dirpath: folder for the PNG files; default ``<trainer.log_dir or default_root_dir>/expert_load``. Unless
+            ``resume`` is set (``k3lit fit --ckpt_path`` sets it), a run's first plot moves an earlier run's folder
+            to ``expert_load.<n>`` (:func:`~k3lit.train.run_dir.move_aside`).
 
     Raises:
         ValueError: ``every_n_steps < 1``.
@@ -84,6 +89,8 @@ class ExpertLoadPlots(L.Callback):
         self.dirpath = dirpath
         self.written: list[Path] = []  # rank zero's files
         self._last_step = -1
+        self.resume = False  # continue the folder's run (k3lit fit sets it); a fresh run moves earlier plots aside
+        self._folder_settled = False
 
     def _dir(self, trainer: L.Trainer) -> Path:
         """The PNG folder; call on every rank (``trainer.log_dir`` is a collective under a distributed strategy)."""
@@ -98,6 +105,10 @@ class ExpertLoadPlots(L.Callback):
 
     @rank_zero_only
     def _draw(self, trainer: L.Trainer, fraction: torch.Tensor, folder: Path) -> None:
+        if not self._folder_settled:  # a fresh run's first plot: an earlier run's go to expert_load.<n>
+            self._folder_settled = True
+            if not self.resume and folder.is_dir() and any(folder.iterdir()):
+                move_aside(get_filesystem(str(folder)), str(folder), folder.name)
         step = trainer.global_step
         path = folder / f"step{step:07d}.png"
         rgb = render_heatmap(fraction, f"expert load, step {step}", path)
