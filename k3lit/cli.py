@@ -549,9 +549,16 @@ def console_main() -> None:
     """The ``k3lit`` command (and ``python -m k3lit.cli``): :func:`main` in a process of its own, which then ends
     through :func:`~k3lit.parallel.process_exit.exit_process`, without interpreter finalisation: after a run, torch's
     C++ threads (gloo's, the autograd engine's) are still alive, and finalising with them can abort a process whose
-    work succeeded. Errors (a traceback, ``SystemExit``) leave the usual way."""
+    work succeeded. Errors (a traceback, ``SystemExit``) leave the usual way. Warnings print as one line each
+    (where, category, message), without the echo of the source line that raised them."""
+    warnings.formatwarning = _one_line_warning
     main()
     exit_process(0)
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      line: str | None = None) -> str:
+    return f"{filename}:{lineno}: {category.__name__}: {message}\n"
 
 
 if __name__ == "__main__":

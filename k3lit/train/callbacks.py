@@ -100,14 +100,16 @@ class K3ThroughputMonitor(ThroughputMonitor):
 
     @override
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
-        """Lightning's (log the rolling throughput to the loggers), keeping what it logged in :attr:`last_metrics`.
-        (A private hook of Lightning's monitor: see :mod:`k3lit.lightning_compat`.)"""
+        """Lightning's (log the rolling throughput to the loggers), keeping what it logged in :attr:`last_metrics`;
+        validation's at the training step it follows. (A private hook of Lightning's monitor: see
+        :mod:`k3lit.lightning_compat`.)"""
         if not compat.should_update_logs(trainer):
             return
         stage = trainer.state.stage
         throughput = compat.throughputs(self)[stage]
         metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in throughput.compute().items()}
-        compat.log_metrics(trainer, metrics, step=iter_num)
+        # validation's rates at the step its val/* values are logged at, not at its own batch count
+        compat.log_metrics(trainer, metrics, step=iter_num if stage == RunningStage.TRAINING else None)
         self.last_metrics.update(metrics)
 
     @override

@@ -91,3 +91,22 @@ def test_training_is_timed_on_logging_steps_only_and_without_validation(tmp_path
     before = float(rows[-2]["train/time"]) - float(rows[-3]["train/time"])
     assert float(last["train/device/items_per_sec"]) == pytest.approx(4 * 2 * batch * seq / elapsed)
     assert elapsed < before + 1.5
+
+
+def test_validation_rates_are_logged_at_the_step_of_the_validation_values(tmp_path):
+    """In metrics.csv a validation's throughput rows carry the step its val/* values carry (the training step it
+    follows), not the count of validation batches."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, mlp_hidden=32,
+                      n_experts=4, top_k=2, expert_dim=16, first_dense_layers=1, attnres_block_size=2)
+    data = torch.randint(0, cfg.vocab_size, (48, 17))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, log_every_n_steps=1, val_check_interval=3,
+                        limit_val_batches=5, check_val_every_n_epoch=None,
+                        logger=CSVLogger(tmp_path, name="", version=""), callbacks=[K3ThroughputMonitor()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(K3LitModule(cfg), loader, loader)
+    with open(tmp_path / "metrics.csv") as f:
+        table = list(csv.DictReader(f))
+    rates = {int(r["step"]) for r in table if r.get("validate/device/items_per_sec")}
+    values = {int(r["step"]) for r in table if r.get("val/loss")}
+    assert rates and rates == values, (rates, values)
