@@ -367,7 +367,8 @@ def generate_main(argv: list[str]) -> None:
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
     parser.add_argument("--ckpt", type=str, required=True,
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
-    parser.add_argument("--prompt", type=str, default="def ")
+    parser.add_argument("--prompt", type=str, default="def ",
+                        help="the text to continue; empty: a new document (the end-of-document token alone)")
     parser.add_argument("--prompt_file", type=str | None, default=None,
                         help="read the prompt from this text file instead of --prompt")
     parser.add_argument("--prompt_tokens", type=int | None, default=None,
@@ -393,7 +394,8 @@ def generate_main(argv: list[str]) -> None:
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
         tok = K3DataModule(**compat.init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
-    ids = tok.encode(Path(args.prompt_file).read_text() if args.prompt_file else args.prompt)
+    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    ids = tok.encode(text) if text else [tok.eos_id]  # nothing: a new document, as after a document's end in training
     if not ids:
         raise ValueError("--prompt must encode to at least one token")
     if args.prompt_tokens is not None:

@@ -150,6 +150,10 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
           "--max_new_tokens", "20", "--temperature", "0"])
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(text) > 4
+    # an empty prompt starts a new document: the end-of-document token alone
+    main(["generate", "--ckpt", str(tmp_path / "checkpoints" / "last.ckpt"), "--prompt", "", "--max_new_tokens", "4",
+          "--stats", "true"])
+    assert "prompt 1 tokens" in capsys.readouterr().err
     # a long prompt from a file, cut to an exact length (byte tokens: one a byte), with the speed figures
     (tmp_path / "prompt.py").write_text("import os\n" * 10)
     gen = ["generate", "--ckpt", str(tmp_path / "checkpoints" / "last.ckpt"), "--prompt_file",
