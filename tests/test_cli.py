@@ -368,9 +368,10 @@ def test_max_time_counts_the_whole_run_and_null_lifts_it_on_resume(tmp_path, cac
     assert torch.load(last, weights_only=False)["global_step"] == 4
 
 
-def test_a_checkpoint_at_max_steps_and_one_of_another_length_are_named(tmp_path, cache, monkeypatch):
+def test_a_checkpoint_at_max_steps_and_one_of_another_length_are_named(tmp_path, cache, monkeypatch, caplog):
     """Resuming a run already at its `max_steps` trains nothing and says so; validating at another sequence length
-    than the checkpoint trained on says which it trained on."""
+    than the checkpoint trained on says which it trained on, and its progress lines name no step (validate does not
+    restore the training step)."""
     monkeypatch.chdir(Path(__file__).parents[1])
     main(fit_args(tmp_path, cache, 2))
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -380,8 +381,10 @@ def test_a_checkpoint_at_max_steps_and_one_of_another_length_are_named(tmp_path,
     args = ["validate", "--config", "recipes/tiny.yaml", *SMALL, f"--data.cache_dir={cache}", "--ckpt_path",
             str(last), f"--trainer.default_root_dir={tmp_path / 'val'}"]
     with pytest.warns(UserWarning, match=r"trained on sequences of 64 tokens; this validation reads 128 "
-                                         r"\(--data\.seq_len=64 reads what it trained on\)"):
-        main([*args, "--data.seq_len=128"])
+                                         r"\(--data\.seq_len=64 reads what it trained on\)"), caplog.at_level("INFO"):
+        main([*args, "--data.seq_len=128", "--trainer.enable_progress_bar=true"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert "validating 2 batches" in lines and any(m.startswith("validation · val/bpb ") for m in lines), lines
 
 
 def test_progress_lines_show_the_throughput_just_logged(tmp_path, cache, monkeypatch, caplog):

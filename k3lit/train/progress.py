@@ -178,11 +178,11 @@ class ProgressLines(ProgressBar):
         self._enabled = True
 
     def _line(self, trainer: L.Trainer, prefix: str) -> str:
-        if trainer.state.fn == TrainerFn.FITTING:
-            horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
-        else:  # `k3lit validate`: no run to the end of
-            horizon = Horizon(trainer.global_step, None, None, None)
-        parts = [horizon.steps_text()] + [f"{k} {v:.4g}" for k, v in sorted(shown_metrics(trainer, prefix).items())]
+        metrics = [f"{k} {v:.4g}" for k, v in sorted(shown_metrics(trainer, prefix).items())]
+        if trainer.state.fn != TrainerFn.FITTING:  # `k3lit validate`: no run to the end of, no step of its own
+            return " · ".join(["validation", *metrics])
+        horizon = run_horizon(trainer, self.pace.seconds_per_step, self.pace.validation_seconds)
+        parts = [horizon.steps_text(), *metrics]
         if prefix == "train/":
             if (tps := _throughput(trainer)) is not None:
                 parts.append(f"{tps:,.0f} tok/s per device")
@@ -208,7 +208,8 @@ class ProgressLines(ProgressBar):
             if self._enabled:  # a line before a pass that may take minutes, so the log does not look stuck
                 batches = sum(trainer.num_val_batches)
                 count = f" {batches:,} batch{'es' if batches != 1 else ''}" if math.isfinite(batches) else ""
-                rank_zero_info(f"step {trainer.global_step} · validating{count}")
+                where = f"step {trainer.global_step} · " if trainer.state.fn == TrainerFn.FITTING else ""
+                rank_zero_info(f"{where}validating{count}")
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
