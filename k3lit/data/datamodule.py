@@ -82,6 +82,9 @@ class K3DataModule(L.LightningDataModule):
         seed: seed of the training order (shuffled chunks and blocks, new order each epoch).
         prepare_workers: litdata processes used when tokenizing (the chunk layout, hence the training order,
             depends on it; 1 keeps runs reproducible).
+        shuffle_documents: tokenize the files in a seeded random order, so each chunk is a sample of the whole
+            corpus instead of a stretch of its sorted paths (:func:`k3lit.data.prepare.prepare_corpus`); a cache
+            entry of its own.
 
     Raises:
         ValueError: an argument out of range or an unknown tokenizer spec; the message says what to change.
@@ -99,6 +102,7 @@ class K3DataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         seed: int = 42,
         prepare_workers: int = 1,
+        shuffle_documents: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(corpus, str) and not corpus.strip() or not isinstance(corpus, str) and not corpus:
@@ -128,6 +132,7 @@ class K3DataModule(L.LightningDataModule):
         self.val_fraction = val_fraction
         self.seed = seed
         self.prepare_workers = prepare_workers
+        self.shuffle_documents = shuffle_documents
         self._vocab_size = spec_vocab_size(tokenizer)  # reads a JSON file, prepares nothing
         self._prepared: PreparedCorpus | None = None
 
@@ -153,6 +158,7 @@ class K3DataModule(L.LightningDataModule):
                 cache_dir=self.cache_dir,
                 val_fraction=self.val_fraction,
                 prepare_workers=self.prepare_workers,
+                shuffle_documents=self.shuffle_documents,
             )
         return self._prepared
 

@@ -6,10 +6,11 @@ Cache layout (``<cache_dir>/<key>/``)::
     tokenizer.json   the trained tokenizer, for ``bpe:N`` specs only
     train/, val/     litdata chunks (``index.json`` + ``chunk-*.bin``), documents joined by the eos token
 
-``key`` hashes the format version, the corpus (every file's path, size and mtime), ``val_fraction`` and the
+``key`` hashes the format version, the corpus (every file's path, size and mtime), ``val_fraction``, the
 tokenizer (its fingerprint; for ``bpe:N`` the spec and the ``tokenizers`` version, as the BPE is trained from
-the corpus). A second run with the same inputs finds ``meta.json`` and returns at once; touching, adding or
-removing a corpus file, or changing the tokenizer, gives a new key and a fresh build. A build is written into
+the corpus) and, when set, the shuffled file order. A second run with the same inputs finds ``meta.json`` and
+returns at once; touching, adding or removing a corpus file, or changing the tokenizer, gives a new key and a
+fresh build. A build is written into
 ``<cache_dir>/.build-<key>-<pid>/`` and renamed into place at the end, so an interrupted prepare never leaves
 a half-written cache entry (the leftover build folder is removed by the next prepare).
 """
@@ -21,6 +22,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import sys
 import threading
@@ -45,6 +47,7 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 SPLITS: tuple[Split, Split] = ("train", "val")
 _CHUNK_TOKENS = 1 << 24  # 16 Mi tokens per chunk: 32 MiB as uint16; TokensLoader drops < 1 block per chunk
+DOCUMENT_ORDER_SEED = 20261205  # of the file permutation of ``shuffle_documents``
 
 
 @dataclass(frozen=True)
@@ -103,18 +106,24 @@ def _tokenizer_key(spec: str) -> str:
     return load_tokenizer(spec).fingerprint()
 
 
-def cache_key(files: Sequence[CorpusFile], tokenizer: str, val_fraction: float) -> str:
-    """Name of the cache entry for these inputs (24 hex digits)."""
-    payload = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "corpus": _corpus_fingerprint(files),
-            "val_fraction": val_fraction,
-            "tokenizer": _tokenizer_key(tokenizer),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+def cache_key(files: Sequence[CorpusFile], tokenizer: str, val_fraction: float,
+              shuffle_documents: bool = False) -> str:
+    """Name of the cache entry for these inputs (24 hex digits; entries in file order keep the key they had before
+    the order was a setting)."""
+    fields = {"format": FORMAT_VERSION, "corpus": _corpus_fingerprint(files), "val_fraction": val_fraction,
+              "tokenizer": _tokenizer_key(tokenizer)}
+    if shuffle_documents:
+        fields["order"] = f"shuffled:{DOCUMENT_ORDER_SEED}"
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def file_order(n_files: int, shuffle_documents: bool) -> list[int]:
+    """The order in which the corpus's files (sorted by key) are tokenized into the chunks: as sorted, or a
+    permutation seeded by :data:`DOCUMENT_ORDER_SEED` (the same on every machine)."""
+    order = list(range(n_files))
+    if shuffle_documents:
+        random.Random(DOCUMENT_ORDER_SEED).shuffle(order)
+    return order
 
 
 def find_prepared(
@@ -122,10 +131,11 @@ def find_prepared(
     tokenizer: str = "byte",
     cache_dir: str | os.PathLike = ".cache/k3lit/data",
     val_fraction: float = 0.05,
+    shuffle_documents: bool = False,
 ) -> PreparedCorpus | None:
     """The finished cache entry for these arguments, or ``None`` if it must be built. Reads no documents."""
     files = resolve_corpus(corpus)
-    root = Path(cache_dir) / cache_key(files, tokenizer, val_fraction)
+    root = Path(cache_dir) / cache_key(files, tokenizer, val_fraction, shuffle_documents)
     meta_path = root / META_FILE
     if not meta_path.is_file():
         return None
@@ -262,6 +272,7 @@ def prepare_corpus(
     cache_dir: str | os.PathLike = ".cache/k3lit/data",
     val_fraction: float = 0.05,
     prepare_workers: int = 1,
+    shuffle_documents: bool = False,
     start_method: str | None = None,
     force: bool = False,
     verbose: bool = True,
@@ -279,6 +290,11 @@ def prepare_corpus(
         val_fraction: expected fraction of documents held out for validation, in (0, 1).
         prepare_workers: litdata worker processes. Chunk order (and so the shuffled stream) depends on it; the
             default 1 keeps it reproducible, HF tokenizers still encode on all cores inside that worker.
+        shuffle_documents: tokenize the files in a seeded random order (:func:`file_order`) instead of sorted by
+            key. A chunk (16 Mi tokens) then holds a sample of the whole corpus rather than one stretch of its
+            folders, so training, which draws a batch from one or two chunks at a time, sees the corpus's mix
+            throughout, and a validation pass over the split's first blocks reads a random sample of the held-out
+            files. Its own cache entry; the split into train and validation is the same.
         start_method: multiprocessing start method of litdata's workers. ``None``: ``"fork"`` on Linux (starts
             at once; the workers only run numpy and ``tokenizers``, never torch ops, so forking a process with
             torch's thread pool up is safe), else ``"spawn"`` (about 5 s per split to start, and the calling
@@ -308,7 +324,7 @@ def prepare_corpus(
     t0 = time.perf_counter()
     files = resolve_corpus(corpus)
     cache_dir = Path(cache_dir)
-    key = cache_key(files, tokenizer, val_fraction)
+    key = cache_key(files, tokenizer, val_fraction, shuffle_documents)
     root = cache_dir / key
     if (root / META_FILE).is_file() and not force:
         return PreparedCorpus(root=root, meta=json.loads((root / META_FILE).read_text()))
@@ -346,7 +362,8 @@ def prepare_corpus(
             )
             label = f"tokenizing {split} ({prepare_workers} worker{'s' if prepare_workers > 1 else ''})"
             with _files_progress(label, len(files), done_path, verbose):
-                _optimize_split(fn, list(range(len(files))), build / split, prepare_workers, start_method)
+                _optimize_split(fn, file_order(len(files), shuffle_documents), build / split, prepare_workers,
+                                start_method)
             done_path.unlink(missing_ok=True)
             stats[split]["n_tokens"] = _count_tokens(build / split)
 
@@ -362,6 +379,7 @@ def prepare_corpus(
             "dtype": dtype.name,
             "val_fraction": val_fraction,
             "val_cut": cut,
+            "shuffle_documents": shuffle_documents,
             "splits": stats,
             "build_seconds": round(time.perf_counter() - t0, 3),
         }
