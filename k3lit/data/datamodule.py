@@ -7,6 +7,12 @@ loader then skips the samples already yielded and continues with the next batch 
 Lightning fetches no batch ahead for loaders with a length (this one has one), so the saved position is exactly
 the batches consumed. ``tests/data/test_datamodule.py`` pins this with a real ``Trainer`` run.
 
+Training order: the chunks in a seeded random order, and each chunk's blocks in a full random permutation
+(``item_shuffle_window=0``). litdata's default shuffles a chunk in aligned windows of 256 consecutive blocks, so
+that 16 batches of 16 blocks in a row would come from one stretch of a few files (a 16 Mi-token chunk holds the
+files of a stretch of sorted paths): each batch then mixes the chunk's whole range. A checkpoint written under
+another window resumes with the window it was written with (:class:`_ResumableLoader`), so its order goes on.
+
 Distributed: litdata reads the rank and world size from ``torch.distributed`` when a ``StreamingDataset`` is
 built. The datasets are therefore built in ``train_dataloader``/``val_dataloader`` (after Lightning has set up
 the process group), never in ``__init__``, so each rank streams its own share.
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 from litdata import StreamingDataLoader, StreamingDataset
 from litdata.streaming.item_loader import TokensLoader
+from litdata.streaming.shuffle import resolve_item_shuffle_window
 
 from k3lit.data.corpus import Split
 from k3lit.data.prepare import PreparedCorpus, prepare_corpus
@@ -83,8 +90,8 @@ class K3DataModule(L.LightningDataModule):
         prepare_workers: litdata processes used when tokenizing (the chunk layout, hence the training order,
             depends on it; 1 keeps runs reproducible).
         shuffle_documents: tokenize the files in a seeded random order, so each chunk is a sample of the whole
-            corpus instead of a stretch of its sorted paths (:func:`k3lit.data.prepare.prepare_corpus`); a cache
-            entry of its own.
+            corpus instead of a stretch of its sorted paths (:func:`k3lit.data.prepare.prepare_corpus`); False:
+            sorted by path. Each order has a cache entry of its own.
 
     Raises:
         ValueError: an argument out of range or an unknown tokenizer spec; the message says what to change.
@@ -102,7 +109,7 @@ class K3DataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         seed: int = 42,
         prepare_workers: int = 1,
-        shuffle_documents: bool = False,
+        shuffle_documents: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(corpus, str) and not corpus.strip() or not isinstance(corpus, str) and not corpus:
@@ -230,10 +237,11 @@ class K3DataModule(L.LightningDataModule):
             shuffle=shuffle,
             seed=self.seed,
             drop_last=True if shuffle else None,
+            item_shuffle_window=FULL_PERMUTATION,
         )
 
     def _loader(self, split: Split, shuffle: bool) -> StreamingDataLoader:
-        return StreamingDataLoader(
+        return _ResumableLoader(
             self._dataset(split, shuffle),
             batch_size=self.batch_size,
             num_workers=self.num_workers,
@@ -250,3 +258,21 @@ class K3DataModule(L.LightningDataModule):
     def val_dataloader(self) -> StreamingDataLoader:
         """Validation blocks in file order, ``LongTensor [<= batch_size, seq_len + 1]`` (last batch may be short)."""
         return self._loader("val", shuffle=False)
+
+
+FULL_PERMUTATION = 0
+"""litdata's ``item_shuffle_window`` for a full random permutation of each chunk's blocks."""
+
+
+class _ResumableLoader(StreamingDataLoader):
+    """``StreamingDataLoader`` that resumes a checkpoint written under another in-chunk shuffle window (litdata's
+    default of 256, before k3lit asked for :data:`FULL_PERMUTATION`) with that window, so the run continues the
+    order it started with, where litdata would refuse the state. The dataset's window is litdata's private
+    ``_item_shuffle_window`` (litdata 0.2.76), set here only."""
+
+    def load_state_dict(self, obj: dict) -> None:
+        saved = (obj.get("dataset") or {}).get("item_shuffle_window")
+        if saved is not None and isinstance(self.dataset, StreamingDataset):
+            self.dataset.item_shuffle_window = saved
+            self.dataset._item_shuffle_window = resolve_item_shuffle_window(saved)
+        super().load_state_dict(obj)

@@ -131,7 +131,7 @@ def find_prepared(
     tokenizer: str = "byte",
     cache_dir: str | os.PathLike = ".cache/k3lit/data",
     val_fraction: float = 0.05,
-    shuffle_documents: bool = False,
+    shuffle_documents: bool = True,
 ) -> PreparedCorpus | None:
     """The finished cache entry for these arguments, or ``None`` if it must be built. Reads no documents."""
     files = resolve_corpus(corpus)
@@ -272,7 +272,7 @@ def prepare_corpus(
     cache_dir: str | os.PathLike = ".cache/k3lit/data",
     val_fraction: float = 0.05,
     prepare_workers: int = 1,
-    shuffle_documents: bool = False,
+    shuffle_documents: bool = True,
     start_method: str | None = None,
     force: bool = False,
     verbose: bool = True,
@@ -290,11 +290,11 @@ def prepare_corpus(
         val_fraction: expected fraction of documents held out for validation, in (0, 1).
         prepare_workers: litdata worker processes. Chunk order (and so the shuffled stream) depends on it; the
             default 1 keeps it reproducible, HF tokenizers still encode on all cores inside that worker.
-        shuffle_documents: tokenize the files in a seeded random order (:func:`file_order`) instead of sorted by
-            key. A chunk (16 Mi tokens) then holds a sample of the whole corpus rather than one stretch of its
-            folders, so training, which draws a batch from one or two chunks at a time, sees the corpus's mix
-            throughout, and a validation pass over the split's first blocks reads a random sample of the held-out
-            files. Its own cache entry; the split into train and validation is the same.
+        shuffle_documents: tokenize the files in a seeded random order (:func:`file_order`; False: sorted by
+            key). A chunk (16 Mi tokens) then holds a sample of the whole corpus rather than one stretch of its
+            sorted folders, so training, which reads one or two chunks at a time, sees the corpus's mix throughout,
+            and a validation pass over the split's first blocks reads a random sample of the held-out files. Each
+            order has its own cache entry; the split into train and validation is the same.
         start_method: multiprocessing start method of litdata's workers. ``None``: ``"fork"`` on Linux (starts
             at once; the workers only run numpy and ``tokenizers``, never torch ops, so forking a process with
             torch's thread pool up is safe), else ``"spawn"`` (about 5 s per split to start, and the calling

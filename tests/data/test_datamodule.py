@@ -68,6 +68,50 @@ def test_loader_state_dict_resumes_at_next_batch(tmp_path, text_corpus):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_checkpoint_under_litdatas_default_window_resumes_its_own_order(tmp_path, text_corpus):
+    """A loader state saved under litdata's default in-chunk window (256, what k3lit used before asking for a full
+    permutation) resumes with that window: the next batches are those the old loader would have given."""
+    from litdata import StreamingDataset
+    from litdata.streaming.item_loader import TokensLoader
+
+    from k3lit.data.datamodule import collate_tokens
+
+    dm = _dm(text_corpus, tmp_path / "c")
+    dm.prepare_data()
+    old = StreamingDataLoader(
+        StreamingDataset(str(dm.prepared.split_dir("train")), item_loader=TokensLoader(block_size=17), shuffle=True,
+                         seed=dm.seed, drop_last=True),
+        batch_size=4, collate_fn=collate_tokens, drop_last=True)
+    it = iter(old)
+    for _ in range(3):
+        next(it)
+    state = old.state_dict()
+    assert state["dataset"]["item_shuffle_window"] == 256
+    expected = [next(it) for _ in range(2)]
+    fresh = dm.train_dataloader()
+    fresh.load_state_dict(state)
+    got = [b for _, b in zip(range(2), fresh)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_each_batch_draws_from_the_whole_chunk(stdlib_prepared):
+    """Training blocks are a full random permutation of each chunk's: a batch's 16 blocks span the chunk, not one
+    window of 256 consecutive blocks (a few neighbouring files), and consecutive batches differ in where they read."""
+    import hashlib
+
+    import numpy as np
+    from litdata import StreamingDataset
+    from litdata.streaming.item_loader import TokensLoader
+
+    dm = K3DataModule(cache_dir=str(stdlib_prepared.root.parent), seq_len=256, batch_size=16)
+    flat = StreamingDataset(str(dm.prepared.split_dir("train")), item_loader=TokensLoader(block_size=257))
+    where = {hashlib.sha1(np.asarray(flat[i]).tobytes()).digest(): i for i in range(len(flat))}
+    batches = [[where[hashlib.sha1(row.numpy().astype(np.uint16).tobytes()).digest()] for row in b]
+               for _, b in zip(range(16), dm.train_dataloader())]
+    spans = sorted(max(b) - min(b) for b in batches)
+    assert len(flat) > 20 * 256 and spans[len(spans) // 2] > 10 * 256, (len(flat), spans)
+
+
 class _Recorder(L.LightningModule):
     """Records every training batch; one parameter so the optimizer has something to step."""
 

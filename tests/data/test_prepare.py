@@ -113,17 +113,16 @@ def test_verbose_prepare_shows_progress_and_leaves_no_counters(text_corpus, tmp_
 
 
 def test_shuffled_documents_are_the_same_documents_in_a_seeded_order(text_corpus, tmp_path):
-    """`shuffle_documents`: a cache entry of its own holding each split's documents, the same ones, in an order that
-    is not the sorted one and is the same on a second build."""
+    """`shuffle_documents` (the default): a cache entry of its own holding each split's documents, the same ones as
+    in path order, in an order that is not the sorted one and is the same on a second build."""
     from k3lit.data import K3DataModule
 
-    ordered = _prep(text_corpus, tmp_path / "cache")
-    shuffled = _prep(text_corpus, tmp_path / "cache", shuffle_documents=True)
-    again = _prep(text_corpus, tmp_path / "other", shuffle_documents=True)
+    ordered = _prep(text_corpus, tmp_path / "cache", shuffle_documents=False)
+    shuffled = _prep(text_corpus, tmp_path / "cache")  # the default
+    again = _prep(text_corpus, tmp_path / "other")
     assert shuffled.root != ordered.root
     assert shuffled.meta["shuffle_documents"] and not ordered.meta["shuffle_documents"]
-    assert find_prepared(str(text_corpus), "byte", tmp_path / "cache", 0.25, shuffle_documents=True).root == \
-        shuffled.root
+    assert find_prepared(str(text_corpus), "byte", tmp_path / "cache", 0.25).root == shuffled.root
     for split in ("train", "val"):
         assert shuffled.meta["splits"][split] == ordered.meta["splits"][split]
         a, b = _all_tokens(ordered.split_dir(split)), _all_tokens(shuffled.split_dir(split))
@@ -132,8 +131,8 @@ def test_shuffled_documents_are_the_same_documents_in_a_seeded_order(text_corpus
         assert np.array_equal(b, _all_tokens(again.split_dir(split)))
     assert _split_docs(_all_tokens(ordered.split_dir("train"))) != _split_docs(_all_tokens(shuffled.split_dir("train")))
     dm = K3DataModule(corpus=str(text_corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.25,
-                      shuffle_documents=True)
-    assert dm.prepared.root == shuffled.root
+                      shuffle_documents=False)
+    assert dm.prepared.root == ordered.root
 
 
 def _split_docs(tokens: np.ndarray) -> list[tuple[int, ...]]:
