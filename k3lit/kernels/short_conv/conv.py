@@ -104,8 +104,8 @@ def _p_rows(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, t, c, c0, T, C, W: tl.con
 
 @triton.jit
 def _conv_bwd(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, dx_ptr, dw_part_ptr, scratch_ptr, B, T, C, W: tl.constexpr,
-         WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr, BIG: tl.constexpr,
-         PARTS: tl.constexpr, STRADDLE: tl.constexpr):
+              WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr, BIG: tl.constexpr,
+              PARTS: tl.constexpr, STRADDLE: tl.constexpr):
     """Program ``(pc, pp)``: channels ``[pc BC, (pc + 1) BC)``, the ``(b, time tile)`` pairs ``pp, pp + P, ...``
     (``P`` programs per channel block). Per tile: ``p`` at its ``BT`` steps and the ``BH >= W - 1`` after it into
     the program's scratch ``[BT + BH, BC]``, then ``dx[s] = Σ_j w[j] · p[s + (W-1) - j]`` read back from it, and
@@ -194,6 +194,6 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dys: list[torch.Tensor]) -> tuple
     dw_part = torch.empty(n_pp, C, W, device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     _conv_bwd[(n_c, n_pp)](x, w, *(dys * 3)[:3], dx, dw_part, scratch, B, T, C, W=W, WP=triton.next_power_of_2(W),
-                      BT=bt, BC=bc, BH=bh, BIG=x.numel() >= 2**31, PARTS=len(dys),
-                      STRADDLE=_straddle(C, len(dys), bc), num_warps=warps)
+                           BT=bt, BC=bc, BH=bh, BIG=x.numel() >= 2**31, PARTS=len(dys),
+                           STRADDLE=_straddle(C, len(dys), bc), num_warps=warps)
     return dx, dw_part.sum(0).to(w.dtype)
