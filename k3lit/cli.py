@@ -164,7 +164,7 @@ class K3CLI(LightningCLI):
         ckpt_path = self._resolve_ckpt_path()
         if ckpt_path is not None:
             model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
-            self._warn_against_checkpoint(ckpt_path)
+            self._align_with_checkpoint(ckpt_path)
         init_weights = self._init_weights(ckpt_path)
         if init_weights is not None:
             model_cfg = self._checkpoint_architecture(init_weights, model_cfg, flag="--init_weights")
@@ -232,16 +232,25 @@ class K3CLI(LightningCLI):
         if ckpt_path not in (None, "last", "hpc") and is_local_path(ckpt_path):
             settle(ckpt_path)
 
-    def _warn_against_checkpoint(self, ckpt_path: str) -> None:
+    def _align_with_checkpoint(self, ckpt_path: str) -> None:
         """Warn where this run and the checkpoint it loads disagree in a way that changes what the run does: ``fit``
         resumed at or past its ``max_steps`` (nothing is left to train), ``validate`` on sequences of another
-        length than the checkpoint trained on."""
+        length than the checkpoint trained on. A resumed ``fit`` reads the corpus in the file order its run was
+        prepared in (``data.shuffle_documents``; sorted by path for a checkpoint that does not record it), so its
+        saved data position points into the same chunks."""
         record = checkpoint_record(ckpt_path)
+        data = record.get("datamodule_hyper_parameters") or {}
+        shuffled = bool(data.get("shuffle_documents", False))
+        if self.subcommand == "fit" and shuffled != self.datamodule.shuffle_documents:
+            rank_zero_info(f"k3lit: --ckpt_path {ckpt_path} was trained on the corpus prepared with "
+                           f"shuffle_documents={shuffled}; this run continues in that order")
+            self.datamodule.shuffle_documents = shuffled
+            self.datamodule.hparams["shuffle_documents"] = shuffled  # what this run's checkpoints record
         step, max_steps = record.get("global_step"), self.trainer.max_steps
         if self.subcommand == "fit" and isinstance(step, int) and 0 <= max_steps <= step:
             rank_zero_warn(f"--ckpt_path {ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is "
                            "left to train; raise --trainer.max_steps to continue")
-        trained = (record.get("datamodule_hyper_parameters") or {}).get("seq_len")
+        trained = data.get("seq_len")
         if self.subcommand == "validate" and trained is not None and trained != self.datamodule.seq_len:
             rank_zero_warn(f"--ckpt_path {ckpt_path} trained on sequences of {trained} tokens; this validation reads "
                            f"{self.datamodule.seq_len} (--data.seq_len={trained} reads what it trained on)")

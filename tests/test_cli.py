@@ -387,6 +387,22 @@ def test_a_checkpoint_at_max_steps_and_one_of_another_length_are_named(tmp_path,
     assert "validating 2 batches" in lines and any(m.startswith("validation · val/bpb ") for m in lines), lines
 
 
+def test_a_run_prepared_in_path_order_resumes_in_that_order(tmp_path, cache, monkeypatch, caplog):
+    """A checkpoint of a run whose corpus was tokenized sorted by path (written before the order was a setting, so
+    its data settings do not record it) resumes in that order: its saved position points into those chunks."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 2, "--data.shuffle_documents=false"))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=False)
+    del ckpt["datamodule_hyper_parameters"]["shuffle_documents"]
+    torch.save(ckpt, last)
+    with caplog.at_level("INFO"):
+        cli = K3CLI(args=fit_args(tmp_path, cache, 4, "--ckpt_path", "last"))
+    assert "prepared with shuffle_documents=False; this run continues in that order" in caplog.text
+    assert cli.datamodule.shuffle_documents is False and cli.trainer.global_step == 4
+    assert torch.load(last, weights_only=False)["datamodule_hyper_parameters"]["shuffle_documents"] is False
+
+
 def test_progress_lines_show_the_throughput_just_logged(tmp_path, cache, monkeypatch, caplog):
     """The tok/s of a progress line is the `train/device/items_per_sec` logged at the same step."""
     monkeypatch.chdir(Path(__file__).parents[1])
