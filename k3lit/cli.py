@@ -562,8 +562,12 @@ def console_main() -> None:
     C++ threads (gloo's, the autograd engine's) are still alive, and finalising with them can abort a process whose
     work succeeded. Errors (a traceback, ``SystemExit``) leave the usual way. Warnings print as one line each
     (where, category, message), without the echo of the source line that raised them."""
+    default_format = warnings.formatwarning
     warnings.formatwarning = _one_line_warning
-    main()
+    try:
+        main()
+    finally:  # interpreter finalisation, after an error, formats as Python does
+        warnings.formatwarning = default_format
     exit_process(0)
 
 
