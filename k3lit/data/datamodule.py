@@ -8,10 +8,11 @@ Lightning fetches no batch ahead for loaders with a length (this one has one), s
 the batches consumed. ``tests/data/test_datamodule.py`` pins this with a real ``Trainer`` run.
 
 Training order: the chunks in a seeded random order, and each chunk's blocks in a full random permutation
-(``item_shuffle_window=0``). litdata's default shuffles a chunk in aligned windows of 256 consecutive blocks, so
-that 16 batches of 16 blocks in a row would come from one stretch of a few files (a 16 Mi-token chunk holds the
-files of a stretch of sorted paths): each batch then mixes the chunk's whole range. A checkpoint written under
-another window resumes with the window it was written with (:class:`_ResumableLoader`), so its order goes on.
+(``item_shuffle_window=0``), so each batch mixes its chunk's whole range; with ``shuffle_documents`` (the default)
+a chunk is a sample of the whole corpus. litdata's default shuffles a chunk in aligned windows of 256 consecutive
+blocks, so that 16 batches of 16 blocks in a row would come from one stretch of a few files. A checkpoint written
+under another window resumes with the window it was written with (:class:`_ResumableLoader`), so its order goes
+on.
 
 Distributed: litdata reads the rank and world size from ``torch.distributed`` when a ``StreamingDataset`` is
 built. The datasets are therefore built in ``train_dataloader``/``val_dataloader`` (after Lightning has set up
