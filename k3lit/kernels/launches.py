@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from k3lit.kernels import aot
+from k3lit.kernels import aot, gpu
+from k3lit.kernels.gpu import H200_SMS  # the recordings' default
 from k3lit.kernels.kda_validate import largest_safe_chunk
 
 __all__ = ["attn_res_launches", "kda_launches", "recipes", "record", "short_conv_launches"]
@@ -28,7 +29,6 @@ KDA_BWD_KERNELS = ("_scan_bwd", "_scan_bwd_t", "_main_bwd")
 SHORT_CONV_KERNELS = ("_fwd", "_conv_bwd")
 ATTN_RES_TWO_PHASE_KERNELS = ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")
 ATTN_RES_MIX_KERNELS = ("_mix_fwd", "_mix_bwd")
-H200_SMS = 132
 
 
 def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_min: float = -5.0,
@@ -50,7 +50,7 @@ def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_m
         bias_dtype: dtype of the gate bias (the layer's parameter dtype).
         sm_count: the GPU's streaming multiprocessors, by which the launchers pick their scan kernels.
     """
-    from k3lit.kernels.kda import chunk_bwd, chunk_fwd, plan
+    from k3lit.kernels.kda import chunk_bwd, chunk_fwd
 
     q, k = torch.empty(B, T, H, K, device=META, dtype=dtype), torch.empty(B, T, H, K, device=META, dtype=dtype)
     v = torch.empty(B, T, H, V, device=META, dtype=dtype)
@@ -59,8 +59,8 @@ def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_m
     bias = torch.empty(H * K, device=META, dtype=bias_dtype) if fused_gate else None
     gate_g_min = float(g_min) if fused_gate else None
     C, scale = largest_safe_chunk(g_min), K**-0.5
-    sm_of = plan._sm_count
-    plan._sm_count = lambda device: sm_count  # the GPU's count, not the one meta tensors report
+    sm_of = gpu.sm_count
+    gpu.sm_count = lambda device: sm_count  # the GPU's count, not the one meta tensors report
     try:
         with aot.record_launches(chunk_fwd, *KDA_FWD_KERNELS) as fwd, \
                 aot.record_launches(chunk_bwd, *KDA_BWD_KERNELS) as bwd:
@@ -70,7 +70,7 @@ def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_m
                 chunk_bwd.chunk_bwd(q, k, v, g if fused_gate else None, beta, *out.saved, torch.empty_like(out.o),
                                     None, False, scale, None, C, bias, gate_g_min, qk_l2norm)
     finally:
-        plan._sm_count = sm_of
+        gpu.sm_count = sm_of
     return fwd + bwd
 
 

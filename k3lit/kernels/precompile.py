@@ -29,7 +29,8 @@ import torch
 from triton.backends.compiler import GPUTarget
 
 from k3lit.kernels import aot
-from k3lit.kernels.launches import H200_SMS, recipes, record
+from k3lit.kernels.gpu import H200_SMS
+from k3lit.kernels.launches import recipes, record
 
 __all__ = ["Item", "Job", "pin_cache_dir", "plan", "start"]
 

@@ -92,5 +92,6 @@ def _gpu(device: torch.device) -> tuple[object, int]:
     """Triton's compile target of the current CUDA device and the SM count of ``device``."""
     import triton
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return triton.runtime.driver.active.get_current_target(), sms
+    from k3lit.kernels.gpu import sm_count
+
+    return triton.runtime.driver.active.get_current_target(), sm_count(device)

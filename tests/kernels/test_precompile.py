@@ -83,15 +83,15 @@ def test_the_gpus_sm_count_sets_the_forward_scans_value_block():
     """One sequence of 8 heads of width 64: the forward's plain scan takes 16-wide value blocks where 32 programs
     of them leave SMs idle (132 SMs), 32-wide ones on a GPU with fewer SMs; the recording follows the count given,
     and leaves the launchers' own count as it was."""
-    from k3lit.kernels.kda import plan
+    from k3lit.kernels import gpu
 
     def value_blocks(sms):
         recorded = launches.kda_launches(1, 64, 8, 64, 64, torch.bfloat16, sm_count=sms)
         return {x.kwargs["BV"] for x in recorded if x.name == "_scan_fwd"}
 
-    before = plan._sm_count
+    before = gpu.sm_count
     assert value_blocks(132) == {16} and value_blocks(16) == {32}
-    assert plan._sm_count is before
+    assert gpu.sm_count is before
 
 
 def test_nothing_to_record_without_triton_kda_layers_or_attention_residuals():

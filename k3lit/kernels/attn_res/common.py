@@ -11,13 +11,13 @@ access.
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
+from k3lit.kernels import gpu
 from k3lit.kernels.streams import cacheable
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -180,12 +180,7 @@ def grid_programs(device: torch.device, warps: int) -> int:
     3 under the interpreter, so that tests run the tile loop unevenly."""
     if device.type != "cuda":
         return 3
-    return _sm_count(device) * max(1, TILES["grid_warps_per_sm"] // warps)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return gpu.sm_count(device) * max(1, TILES["grid_warps_per_sm"] // warps)
 
 
 def aligned(addrs: list[int]) -> bool:

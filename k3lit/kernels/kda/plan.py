@@ -8,11 +8,12 @@ side (its section of benchmarks/RESULTS.md, "KDA launch settings (<GPU>)").
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
+
+from k3lit.kernels import gpu
 
 #: Launch settings; each default is the fastest alternative timed on the H200 (docs/DECISIONS.md, "KDA kernels";
 #: ``benchmarks/kda_tuning.py`` times alternatives).
@@ -64,13 +65,6 @@ def _f32_operands(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device``; 132 (an H100/H200) for any other device (the interpreter,
-    ``meta`` tensors in benchmarks/kernel_resources.py), so :func:`_scan_plan` picks what it would on the H200."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def _plain_out_shapes(K: int, V: int, dtype: torch.dtype) -> bool:
     """Where the plain forward scan may write the output under ``"auto"``: K, V <= 128 and bf16 or fp16 inputs.
     There :func:`_out_fwd` takes all keys in one product, as the scan does, so that the two sum alike; elsewhere
@@ -118,7 +112,7 @@ def _scan_plan(which: str, NH: int, K: int, V: int, device: torch.device, F32: b
     if BV is None:
         if mode == "transposed":
             BV = 128 if which == "fwd" and not save and K > 128 else 64
-        elif which == "fwd" and NH * triton.cdiv(V, 16) < _sm_count(device):
+        elif which == "fwd" and NH * triton.cdiv(V, 16) < gpu.sm_count(device):
             BV = 16
         else:
             BV = 32

@@ -27,11 +27,11 @@ otherwise each channel's base pointer is picked from the three, so a tile may st
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from k3lit.kernels import gpu
 
 TUNING: dict[str, tuple[int, int, int]] = {"fwd": (64, 64, 4), "bwd": (64, 32, 4)}
 """Per kernel: (time steps, channels) per tile and warps. The forward's 64 x 64 float32 tiles hold 32 values a
@@ -170,13 +170,8 @@ def bwd_programs(device: torch.device, channel_blocks: int, tiles: int) -> int:
     """Programs per channel block of :func:`conv_bwd`'s persistent grid: ``BWD_PROGRAMS_PER_SM`` per streaming
     multiprocessor over all channel blocks, at most one per ``(sequence, time tile)`` pair; 3 off CUDA, so that the
     interpreter's programs walk their tiles unevenly."""
-    per_block = 3 if device.type != "cuda" else -(-_sm_count(device) * BWD_PROGRAMS_PER_SM // channel_blocks)
+    per_block = 3 if device.type != "cuda" else -(-gpu.sm_count(device) * BWD_PROGRAMS_PER_SM // channel_blocks)
     return max(1, min(per_block, tiles))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def conv_bwd(x: torch.Tensor, w: torch.Tensor, dys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
