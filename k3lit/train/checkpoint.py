@@ -107,21 +107,18 @@ def _name(f: Path, ckpt: Path) -> str:
 
 def checkpoint_record(path: str | Path) -> dict[str, Any]:
     """What a checkpoint (file or sharded folder) that :func:`check_checkpoint` accepted holds besides its tensors,
-    read without loading them (a file is memory-mapped): ``hyper_parameters``, ``global_step``,
+    read without loading them (a file is memory-mapped; ``weights_only``): ``hyper_parameters``, ``global_step``,
     ``datamodule_hyper_parameters``, the data module's state (``K3DataModule``: the tokenizer), ..."""
     p = Path(path)
     if p.is_dir():
-        return torch.load(p / META, map_location="cpu", weights_only=False)
-    return torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+        return torch.load(p / META, map_location="cpu", weights_only=True)
+    return torch.load(p, map_location="cpu", weights_only=True, mmap=True)
 
 
 def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     """The ``hyper_parameters`` saved with a checkpoint (file or sharded folder) that :func:`check_checkpoint`
     accepted, without loading any weights."""
-    p = Path(path)
-    record = torch.load(p / META, map_location="cpu", weights_only=True) if p.is_dir() else \
-        torch.load(p, map_location="cpu", weights_only=True, mmap=True)  # its tensors stay on disk
-    return record.get("hyper_parameters", {})
+    return checkpoint_record(path).get("hyper_parameters", {})
 
 
 def tokenizer_error(path: str | Path, record: dict[str, Any], ours: str) -> ValueError:

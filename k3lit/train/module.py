@@ -166,7 +166,10 @@ class K3LitModule(L.LightningModule):
 
     def _data_tokenizer(self) -> dict | None:
         """The trainer's data module's tokenizer state (``K3DataModule.state_dict()``), None without one."""
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        try:
+            dm = self.trainer.datamodule
+        except RuntimeError:  # not attached to a Trainer
+            return None
         state = dm.state_dict() if dm is not None else None
         return state if state and "tokenizer_spec" in state else None
 
