@@ -37,7 +37,8 @@ TUNING: dict[str, tuple[int, int, int]] = {"fwd": (64, 64, 4), "bwd": (64, 32, 4
 """Per kernel: (time steps, channels) per tile and warps. The forward's 64 x 64 float32 tiles hold 32 values a
 thread at 4 warps; 64 x 128 spilled. The backward's ``dw`` sums keep ``W`` tiles of x in flight: compiled for sm_90a
 by triton 3.6 it takes 152 registers a thread at 64 x 32 (3 programs an SM; benchmarks/RESULTS.md, "Kernel
-resources"), and at 64 x 64 all 255 with spills (triton 3.8). ``benchmarks/short_conv.py --sweep`` times others."""
+resources"), and at 64 x 64 all 255 with spills (triton 3.8, the same script with ``TUNING["bwd"] = (64, 64,
+4)``). ``benchmarks/short_conv.py --sweep`` times others."""
 BWD_PROGRAMS_PER_SM = 3
 """Programs of the backward's persistent grid per streaming multiprocessor (all channel blocks together): as many as
 its registers let an SM hold at once."""
