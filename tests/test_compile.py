@@ -87,9 +87,17 @@ def test_compile_scope_model_compiles_the_whole_model_and_an_unknown_scope_is_re
 
 
 @pytest.mark.parametrize("scope", ["sublayers", "model"])
-def test_cuda_graph_mode_compiles_a_kda_model_at_either_scope(scope):
-    """``reduce-overhead`` reaches torch.compile for a KDA model at both scopes (the GPU test above checks that
-    the graphs then train as the model does without them)."""
+def test_cuda_graph_mode_compiles_a_kda_model_at_either_scope(scope, monkeypatch):
+    """``reduce-overhead`` reaches torch.compile for every region of a KDA model at both scopes (the GPU test above
+    checks that the graphs then train as the model does without them)."""
+    modes = []
+    compile_ = torch.compile
+
+    def recording(fn, **kwargs):  # noqa: ANN001, ANN202
+        modes.append(kwargs.get("mode"))
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
     module = K3LitModule(ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16),
                          compile=True, compile_mode="reduce-overhead", compile_scope=scope)
     module.configure_model()
@@ -97,6 +105,7 @@ def test_cuda_graph_mode_compiles_a_kda_model_at_either_scope(scope):
     regions = [whole] if scope == "model" else [sub._compiled_call_impl for sub in module.model.sublayers]
     assert all(r is not None for r in regions)
     assert (whole is None) == (scope == "sublayers")
+    assert modes.count("reduce-overhead") == len(regions), modes  # the model's regions; the loss has its own
 
 
 def test_validation_runs_the_compiled_model_eagerly():
