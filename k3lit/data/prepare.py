@@ -106,8 +106,7 @@ def _tokenizer_key(spec: str) -> str:
     return load_tokenizer(spec).fingerprint()
 
 
-def cache_key(files: Sequence[CorpusFile], tokenizer: str, val_fraction: float,
-              shuffle_documents: bool = False) -> str:
+def cache_key(files: Sequence[CorpusFile], tokenizer: str, val_fraction: float, shuffle_documents: bool) -> str:
     """Name of the cache entry for these inputs (24 hex digits; entries in file order keep the key they had before
     the order was a setting)."""
     fields = {"format": FORMAT_VERSION, "corpus": _corpus_fingerprint(files), "val_fraction": val_fraction,
