@@ -274,6 +274,12 @@ class K3CLI(LightningCLI):
             path = str(check_checkpoint(path))
         except FileNotFoundError as e:
             raise FileNotFoundError(f"--init_weights: {e}") from None
+        for cb in self.trainer.checkpoint_callbacks:  # a new run moves its folder's last.ckpt aside before loading
+            own = Path(cb.dirpath or "") / (cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+            if isinstance(cb, LastCheckpoint) and Path(path).resolve() == own.resolve():
+                raise ValueError(f"--init_weights {path} is this run folder's own last.ckpt, which a new run moves "
+                                 "aside; start the new run in another folder (--trainer.default_root_dir=...), or "
+                                 "resume this one with --ckpt_path last")
         # the specs now; a trained BPE's vocabulary once the corpus is prepared (K3LitModule.configure_model)
         record = checkpoint_record(path)
         saved, ours = (record.get("K3DataModule") or {}).get("tokenizer_spec"), self.datamodule.tokenizer_spec

@@ -102,6 +102,17 @@ def test_a_path_that_is_no_checkpoint_is_named_with_the_flag(tmp_path, stdlib_ca
         K3CLI(args=_args(tmp_path, stdlib_cache, 2, "--init_weights", str(tmp_path / "nope.ckpt")), run=False)
 
 
+def test_the_run_folders_own_last_checkpoint_is_refused_before_anything_moves(tmp_path, stdlib_cache, source):
+    """A new run moves its folder's last.ckpt aside: starting from that file in the same folder is refused up front,
+    and the file stays where it was."""
+    root = source.parents[1]
+    before = sorted(p.name for p in (root / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"--init_weights .*last\.ckpt is this run folder's own last\.ckpt, which a "
+                                         r"new run moves aside; start the new run in another folder"):
+        K3CLI(args=_args(root, stdlib_cache, 2, "--init_weights", str(source), seq_len=64), run=False)
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == before and source.is_file()
+
+
 def test_the_same_bpe_spec_trained_on_other_text_is_refused(tmp_path):
     """`bpe:N` is trained on each corpus: the same spec on another corpus has another vocabulary, found once the
     corpus is prepared."""
