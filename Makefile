@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 RECIPE_PATH := $(if $(wildcard $(RECIPE)),$(RECIPE),recipes/$(RECIPE).yaml)
 
-.PHONY: install lock train prepare generate slurm test lint clean
+.PHONY: install lock recipe train prepare generate slurm test lint clean
 
 install: $(VENV)/.installed
 
@@ -36,16 +36,20 @@ lock:  ## rewrite LOCK with what an unconstrained install into a fresh venv gets
 	mv $(LOCK).new $(LOCK)
 	rm -rf $(LOCK_VENV)
 
-train: install  ## prepare the corpus if needed, then train RECIPE (default: tiny) with extra CLI ARGS
+recipe:  # RECIPE names a file, or a recipe in recipes/: said before anything installs
+	@test -f $(RECIPE_PATH) || { echo "make: no recipe '$(RECIPE)': RECIPE= takes a file or one of:" \
+	  $$(ls recipes | sed -n 's/\.yaml$$//p'); exit 2; }
+
+train: recipe install  ## prepare the corpus if needed, then train RECIPE (default: tiny) with extra CLI ARGS
 	$(BIN)/k3lit fit --config $(RECIPE_PATH) $(ARGS)
 
-prepare: install
+prepare: recipe install
 	$(BIN)/k3lit prepare --config $(RECIPE_PATH) $(ARGS)
 
-generate: install  ## sample from the last checkpoint of RECIPE
+generate: recipe install  ## sample from the last checkpoint of RECIPE
 	$(BIN)/k3lit generate --ckpt runs/$(basename $(notdir $(RECIPE_PATH)))/checkpoints/last.ckpt $(ARGS)
 
-slurm: install  ## print an sbatch script for RECIPE: SLURM_ARGS go to `k3lit slurm`, ARGS to `k3lit fit`
+slurm: recipe install  ## print an sbatch script for RECIPE: SLURM_ARGS go to `k3lit slurm`, ARGS to `k3lit fit`
 	@$(BIN)/k3lit slurm --config $(RECIPE_PATH) $(SLURM_ARGS) -- $(ARGS)
 
 test: install
