@@ -13,7 +13,11 @@
   ``last.ckpt`` is one folder that every save rewrites, by design;
 * "callbacks used to create the checkpoint need to be provided", when the only ones it names are k3lit's
   ``LastCheckpoint`` (whose state key holds its interval, so another ``val_check_interval`` or ``k3lit validate``
-  names it; it keeps nothing a resumed run needs) and Lightning's ``Timer`` (absent when ``max_time`` is lifted).
+  names it; it keeps nothing a resumed run needs) and Lightning's ``Timer`` (absent when ``max_time`` is lifted);
+* "The `srun` command is available on your system but is not used", outside a SLURM job (no ``SLURM_JOB_ID``):
+  a login node or a machine with SLURM's client installed, where nothing was meant to run under ``srun``. Inside
+  a job the warning passes, since there a multi-process run started without ``srun`` hangs (``k3lit slurm``
+  writes job scripts that use it).
 
 Other warnings pass: :func:`quiet_third_party` filters only these.
 """
@@ -21,6 +25,7 @@ Other warnings pass: :func:`quiet_third_party` filters only these.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 __all__ = ["quiet_third_party"]
@@ -47,6 +52,8 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
     warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
+    if "SLURM_JOB_ID" not in os.environ:
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     ours = r"""['"](LastCheckpoint\{[^}]*\}|Timer)['"]"""
     warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create the "
                             rf"checkpoint need to be provided .*: \[{ours}(, {ours})*\]\.$")

@@ -33,7 +33,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_tokens(tmp_pa
     module.load_state_dict(whole["state_dict"])
     ref = module.model.eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # config.json names k3lit
     ids = tok("def main():\n    return", return_tensors="pt")["input_ids"]
     assert ids[0].tolist() == list(b"def main():\n    return")  # the byte tokenizer's ids
     with torch.no_grad():

@@ -3,6 +3,8 @@
 import logging
 import warnings
 
+import pytest
+
 from k3lit.train.quiet import quiet_third_party
 
 AWARE = ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided during "
@@ -39,6 +41,22 @@ def test_listed_warnings_are_dropped_and_others_pass():
         for args in NOISE + KEPT:
             _emit(*args)
     assert [str(w.message) for w in caught] == [m for m, _, _ in KEPT]
+
+
+SRUN = ("The `srun` command is available on your system but is not used. HINT: If your intention is to run Lightning "
+        "on SLURM, prepend your python command with `srun` like so: srun python k3lit fit ...")
+
+
+@pytest.mark.parametrize("in_job", [False, True])
+def test_the_srun_hint_passes_inside_a_slurm_job_only(monkeypatch, in_job):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if in_job:
+        monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_third_party()
+        _emit(SRUN, UserWarning, "lightning.fabric.plugins.environments.slurm")
+    assert [str(w.message) for w in caught] == ([SRUN] if in_job else [])
 
 
 def test_lightning_tips_are_dropped_from_its_log(caplog):
