@@ -186,7 +186,10 @@ class RunSummary(Callback):
             rows.append(("recent rate", recent))
         bpb = metrics.get("val/bpb")
         if bpb is None or self._val_step is None:
-            rows.append(("held-out bpb", "no validation ran"))
+            ckpt, config = _last_checkpoint(trainer), Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"
+            how = (f": {runnable('k3lit')} validate --config {shlex.quote(str(config))} --ckpt_path "
+                   f"{shlex.quote(ckpt)}") if ckpt and config.is_file() else ""
+            rows.append(("held-out bpb", f"no validation ran{how}"))
         else:
             n_bytes = getattr(trainer.lightning_module, "last_val_bytes", None)
             over = f", over the {n_bytes:,} bytes its targets encode" if n_bytes else ""
@@ -235,8 +238,7 @@ class RunSummary(Callback):
 
     def _outputs(self, trainer: L.Trainer) -> list[tuple[str, str]]:
         rows = []
-        ckpt = next((cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks
-                     if getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")), None)
+        ckpt = _last_checkpoint(trainer)
         rows.append(("checkpoint", ckpt or "none written"))
         plots = [p for cb in trainer.callbacks if isinstance(cb, ExpertLoadPlots) for p in cb.written]
         board = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
@@ -251,6 +253,12 @@ class RunSummary(Callback):
         if ckpt:
             rows.append(("sample", f"{runnable('k3lit')} generate --ckpt {shlex.quote(ckpt)}"))
         return rows
+
+
+def _last_checkpoint(trainer: L.Trainer) -> str | None:
+    """The path of the checkpoint this run wrote last (None when it wrote none)."""
+    return next((cb.last_model_path or cb.best_model_path for cb in trainer.checkpoint_callbacks
+                 if getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")), None)
 
 
 def runnable(script: str) -> str:

@@ -3,6 +3,7 @@ the expert-load heatmap, and no third-party messages nobody can act on."""
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -121,3 +122,17 @@ def test_process_age_counts_from_the_interpreter_start():
                          capture_output=True, text=True, timeout=120, check=True)
     wall = time.monotonic() - t0
     assert 1.0 <= float(out.stdout) <= wall + 0.02, (out.stdout, wall)  # /proc's clock ticks: 10 ms
+
+
+def test_a_run_without_validation_says_how_to_validate_its_checkpoint(tmp_path, stdlib_cache, monkeypatch):
+    """The summary's command, run as written in the working folder, validates the run's last checkpoint."""
+    monkeypatch.chdir(ROOT)
+    cli = K3CLI(args=fit_args(tmp_path, stdlib_cache, 2, 1) + ["--trainer.limit_val_batches=0"])
+    row = dict(next(c for c in cli.trainer.callbacks if isinstance(c, RunSummary)).rows)["held-out bpb"]
+    how = re.fullmatch(r"no validation ran: (\S+) (validate .*)", row)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert how and how[2] == f"validate --config {tmp_path / 'config.yaml'} --ckpt_path {ckpt}"
+    out = subprocess.run([sys.executable, "-m", "k3lit.cli", *shlex.split(how[2]), "--trainer.limit_val_batches=1"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and re.search(r"val/bpb\s.*\d", out.stdout + out.stderr), out.stderr[-3000:]
