@@ -186,7 +186,7 @@ class RunSummary(Callback):
             rows.append(("recent rate", recent))
         bpb = metrics.get("val/bpb")
         if bpb is None or self._val_step is None:
-            ckpt, config = _last_checkpoint(trainer), Path(trainer.log_dir or trainer.default_root_dir) / "config.yaml"
+            ckpt, config = _last_checkpoint(trainer), Path(trainer.default_root_dir) / "config.yaml"
             how = (f": {runnable('k3lit')} validate --config {shlex.quote(str(config))} --ckpt_path "
                    f"{shlex.quote(ckpt)}") if ckpt and config.is_file() else ""
             rows.append(("held-out bpb", f"no validation ran{how}"))

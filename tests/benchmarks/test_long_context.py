@@ -23,8 +23,7 @@ def test_every_length_holds_the_same_tokens_and_the_table_compares_the_models(tm
     for rows in result["models"].values():
         assert [rows[s]["batch"] for s in ("32", "64")] == [4, 2] and all(r["correct"] for r in rows.values())
         assert all(r["checkpointing"] == "none" for r in rows.values())
-        for r in rows.values():  # on CPU the step runs as it is issued: host time is the step's time
-            assert 0.3 < r["host_ms_per_step"] / r["ms_per_step"] < 3, r
+        assert all(r["host_ms_per_step"] > 0 for r in rows.values())  # its arithmetic: test_throughput_variants.py
     text = lc.table(result)
     k3_64, plain_64 = (result["models"][n]["64"]["tokens_per_s"] for n in ("`k3`", "`plain`"))
     row = next(line for line in text.splitlines() if line.startswith("| 64 | 2 |"))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks.throughput import variant
+from benchmarks.throughput import host_ms_per_step, variant
 from k3lit.model import ModelConfig
 
 BASE = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16, n_experts=4, top_k=2, expert_dim=16)
@@ -41,3 +43,17 @@ def test_unknown_compile_settings_are_refused_before_any_row(monkeypatch):
                                       "--compile", "none,sublayer"])
     with pytest.raises(SystemExit, match=r"--compile: unknown \['sublayer'\]; choose from .*sublayer_graphs"):
         throughput.main()
+
+
+def test_host_time_is_the_median_of_single_steps_each_on_its_own_batch():
+    """Each sample times one call (a step that sleeps 20 ms takes at least that: a bound no load can break), on
+    the batches in turn."""
+    seen = []
+
+    def step(batch):
+        seen.append(batch)
+        time.sleep(0.02)
+
+    batches = [torch.tensor(i) for i in range(3)]
+    assert host_ms_per_step(step, batches, 5, "cpu") >= 20.0
+    assert [int(b) for b in seen] == [0, 1, 2, 0, 1]
