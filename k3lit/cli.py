@@ -74,7 +74,7 @@ from k3lit.train.kernel_precompile import KernelPrecompile
 from k3lit.train.module import COMPILE_MODES, K3LitModule
 from k3lit.train.optim import OptimConfig
 from k3lit.train.progress import ProgressLines, StepProgressBar
-from k3lit.train.quiet import quiet_third_party
+from k3lit.train.quiet import quiet_third_party, quiet_validate
 from k3lit.train.summary import RunSummary
 from k3lit.train.tensorboard_log import RunTensorBoardLogger
 
@@ -153,6 +153,8 @@ class K3CLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         self.config_init = _instantiate(self.parser, self.config)
+        if self.subcommand == "validate":
+            quiet_validate()
         self.datamodule = self._value(self.config_init, "data")
         self.trainer = self.instantiate_trainer(**self._trainer_kwargs())
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured one

@@ -19,7 +19,9 @@
   a job the warning passes, since there a multi-process run started without ``srun`` hangs (``k3lit slurm``
   writes job scripts that use it).
 
-Other warnings pass: :func:`quiet_third_party` filters only these.
+Other warnings pass: :func:`quiet_third_party` filters only these, and :func:`quiet_validate`, for ``k3lit
+validate``, also Lightning's "The dirpath has changed from ...": restoring the checkpoint's ``LastCheckpoint``
+state in another folder, for a command that writes no checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import logging
 import os
 import warnings
 
-__all__ = ["quiet_third_party"]
+__all__ = ["quiet_third_party", "quiet_validate"]
 
 TIP_MARKER = "💡 Tip:"
 # Lightning's rank-zero messages come through one of these loggers (whichever Lightning package was imported last).
@@ -57,3 +59,8 @@ def quiet_third_party() -> None:
     ours = r"""['"](LastCheckpoint\{[^}]*\}|Timer)['"]"""
     warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create the "
                             rf"checkpoint need to be provided .*: \[{ours}(, {ours})*\]\.$")
+
+
+def quiet_validate() -> None:
+    """The filter of ``k3lit validate`` on top of :func:`quiet_third_party` (process-wide)."""
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from ")

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from k3lit.train.quiet import quiet_third_party
+from k3lit.train.quiet import quiet_third_party, quiet_validate
 
 AWARE = ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided during "
          "`Trainer` instantiation. Please add the following callbacks: ")
@@ -66,3 +66,16 @@ def test_lightning_tips_are_dropped_from_its_log(caplog):
         log.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing litlogger")
         log.info("Trainer.fit stopped: max_steps=3 reached.")
     assert [r.getMessage() for r in caplog.records] == ["Trainer.fit stopped: max_steps=3 reached."]
+
+
+def test_validate_also_drops_the_moved_checkpoint_folder_notice():
+    dirpath = ("The dirpath has changed from 'runs/tiny/checkpoints' to 'runs/tiny-val/checkpoints', therefore "
+               "`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and `best_k_models` won't "
+               "be reloaded.")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_third_party()
+        quiet_validate()
+        _emit(dirpath, UserWarning, "lightning.pytorch.callbacks.model_checkpoint")
+        _emit(*KEPT[1])
+    assert [str(w.message) for w in caught] == [KEPT[1][0]]
