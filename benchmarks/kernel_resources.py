@@ -102,7 +102,7 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 
     x = torch.empty(B, T, C, device=META, dtype=torch.bfloat16)
     w = torch.empty(C, 4, device=META)
-    with aot.record_launches(conv, "_fwd", "_conv_bwd") as launches:
+    with aot.record_launches(conv, "_fwd", "_bwd_p", "_bwd_dx") as launches:
         ys = conv.conv_fwd(x, w, 3)  # a KDA layer's q, k and v
         conv.conv_bwd(x, w, [torch.empty_like(y) for y in ys])
     return launches

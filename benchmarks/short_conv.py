@@ -6,9 +6,8 @@ against fla's ``causal_conv1d`` (its Triton backend), and which launch settings 
     python benchmarks/short_conv.py --from_json F             # the section from a stored run
 
 Correctness first, per shape: relative RMS error of y, dx and dw against the float64 convolution on the same bf16
-inputs, for k3lit and fla. ``--sweep`` times each of k3lit's kernels (``_fwd``, ``_conv_bwd``: the launchers
-with ``k3lit.kernels.short_conv.conv.TUNING`` set) at every (time steps, channels, warps) of a grid, the backward
-also at several ``BWD_PROGRAMS_PER_SM`` (its persistent grid), and
+inputs, for k3lit and fla. ``--sweep`` times each of k3lit's kernels (``_fwd``, ``_bwd_p``, ``_bwd_dx``: the
+launchers with ``k3lit.kernels.short_conv.conv.TUNING`` set) at every (time steps, channels, warps) of a grid, and
 checks that every tiling's y and dx equal the default's to the bit (per-element sums in a fixed order); dw's
 per-program partial sums follow the tiling.
 
@@ -44,7 +43,6 @@ SHAPES = ((16, 2048, 2304), (4, 8192, 2304), (1, 32768, 2304), (4, 2048, 6144))
 """(B, T, C): ``small``'s batch at 2,048 and 8,192 tokens and ``small_32k``'s (C = 3 x 768), ``medium``'s width."""
 WIDTH = 4
 SWEEP = {"bt": (32, 64, 128), "bc": (32, 64, 128), "warps": (2, 4, 8)}
-BWD_PROGRAMS = (1, 2, 4, 8)  # the backward's persistent grid: programs per streaming multiprocessor
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -84,26 +82,21 @@ def kernel_times(x: torch.Tensor, w: torch.Tensor, dy: list[torch.Tensor], bench
     KDA's three parts, ``dy`` their gradients), with whether its y and dx equal the default tiling's to the bit."""
     default = dict(conv.TUNING)
     y0, (dx0, _) = conv.conv_fwd(x, w, 3), conv.conv_bwd(x, w, dy)
-    default_programs = conv.BWD_PROGRAMS_PER_SM
     rows = []
-    settings = [(kernel, tiling, default_programs) for kernel in ("fwd", "bwd")
-                for tiling in itertools.product(*SWEEP.values())]
-    settings += [("bwd", default["bwd"], n) for n in BWD_PROGRAMS if n != default_programs]
-    for kernel, (bt, bc, warps), programs in settings:
-        conv.TUNING[kernel], conv.BWD_PROGRAMS_PER_SM = (bt, bc, warps), programs
-        row = {"kernel": kernel, "bt": bt, "bc": bc, "warps": warps, "programs_per_sm": programs}
-        try:
-            same = (all(map(torch.equal, conv.conv_fwd(x, w, 3), y0))
-                    and torch.equal(conv.conv_bwd(x, w, dy)[0], dx0))
-            # the backward launcher whole (the kernel and the dw reduction)
-            ms = bench((lambda: conv.conv_fwd(x, w, 3)) if kernel == "fwd" else (lambda: conv.conv_bwd(x, w, dy)))
-        except Exception as e:  # a tiling that does not compile (shared memory, registers)
-            rows.append({**row, "ms": None, "error": str(e)[:80]})
-            continue
-        finally:
-            conv.TUNING.update(default)
-            conv.BWD_PROGRAMS_PER_SM = default_programs
-        rows.append({**row, "ms": ms, "same": same})
+    for kernel in ("fwd", "bwd_p", "bwd_dx"):
+        for bt, bc, warps in itertools.product(*SWEEP.values()):
+            conv.TUNING[kernel] = (bt, bc, warps)
+            try:
+                same = (all(map(torch.equal, conv.conv_fwd(x, w, 3), y0))
+                        and torch.equal(conv.conv_bwd(x, w, dy)[0], dx0))
+                # the backward launcher whole (both kernels, the dw reduction): the tilings of one kernel differ
+                ms = bench((lambda: conv.conv_fwd(x, w, 3)) if kernel == "fwd" else (lambda: conv.conv_bwd(x, w, dy)))
+            except Exception as e:  # a tiling that does not compile (shared memory, registers)
+                rows.append({"kernel": kernel, "bt": bt, "bc": bc, "warps": warps, "ms": None, "error": str(e)[:80]})
+                continue
+            finally:
+                conv.TUNING.update(default)
+            rows.append({"kernel": kernel, "bt": bt, "bc": bc, "warps": warps, "ms": ms, "same": same})
     return rows
 
 
@@ -169,18 +162,16 @@ def table(r: dict) -> str:
                          f"{e['dw']:.1e} | {m['fwd_ms']:.3f} | {s['bytes_fwd'] / m['fwd_ms'] / 1e9:.2f} | "
                          f"{m['fwd_bwd_ms']:.3f} | {s['bytes_fwd_bwd'] / m['fwd_bwd_ms'] / 1e9:.2f} |")
     for sw in r["sweep"]:
-        lines += ["", f"Tilings at {sw['B']} x {sw['T']:,} x {sw['C']:,} (fastest three per kernel; `_conv_bwd` timed "
-                      "as the whole backward launcher; default "
-                      f"{', '.join(f'{k} {v}' for k, v in conv.TUNING.items())}, "
-                      f"{conv.BWD_PROGRAMS_PER_SM} backward programs per SM):", "",
-                  "| kernel | time steps x channels, warps, programs per SM | ms | y and dx as the default's |",
-                  "|---|---|---|---|"]
-        for kernel, name in (("fwd", "_fwd"), ("bwd", "_conv_bwd")):
+        lines += ["", f"Tilings at {sw['B']} x {sw['T']:,} x {sw['C']:,} (fastest three per kernel; `_bwd_p` and "
+                      "`_bwd_dx` timed as the whole backward launcher; default "
+                      f"{', '.join(f'{k} {v}' for k, v in conv.TUNING.items())}):", "",
+                  "| kernel | time steps x channels, warps | ms | y and dx as the default's |", "|---|---|---|---|"]
+        for kernel in ("fwd", "bwd_p", "bwd_dx"):
             done = sorted((x for x in sw["rows"] if x["kernel"] == kernel and x["ms"] is not None),
                           key=lambda x: x["ms"])
             for x in done[:3]:
-                lines.append(f"| `{name}` | {x['bt']} x {x['bc']}, {x['warps']}, {x.get('programs_per_sm', '-')} | "
-                             f"{x['ms']:.3f} | {'same bits' if x['same'] else 'DIFFERENT'} |")
+                lines.append(f"| `_{kernel}` | {x['bt']} x {x['bc']}, {x['warps']} | {x['ms']:.3f} | "
+                             f"{'same bits' if x['same'] else 'DIFFERENT'} |")
     return "\n".join(lines)
 
 

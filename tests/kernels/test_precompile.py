@@ -73,7 +73,7 @@ def test_recorded_launches_are_the_models(monkeypatch, residual, block, checkpoi
     planned = [x for recorder, kwargs in launches.recipes(c, B, T, torch.bfloat16, param_dtype)
                for x in launches.record(recorder, kwargs)]
     assert real == _describe(planned)
-    expected = {"_prep_fwd", "_main_bwd", "_fwd", "_conv_bwd"}
+    expected = {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx"}
     if residual != "plain":
         expected |= {"_inter_fwd", "_inter_bwd_sources", "_mix_bwd"}
     assert {x[0] for x in real} >= expected
@@ -119,7 +119,7 @@ cache = Path(sys.argv[1])
 c = ModelConfig(vocab_size=64, dim=64, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=32)
 items = precompile.plan(c, 2, 128, torch.bfloat16)
 names = [i.name for i in items]
-assert {"_prep_fwd", "_main_bwd", "_fwd", "_conv_bwd", "_inter_fwd", "_merge_bwd", "_mix_fwd"} <= set(names), names
+assert {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx", "_inter_fwd", "_merge_bwd", "_mix_fwd"} <= set(names), names
 job = precompile.start(items, aot.H200, workers=2)
 assert job.workers == 2
 job.wait()

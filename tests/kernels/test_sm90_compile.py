@@ -49,8 +49,9 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     expected |= {("KDA K=V=64 (`small`), `_main_bwd` on 8 warps, `_prep_fwd` on 2", n)
                  for n in ("_prep_fwd", "_main_bwd")}
     expected |= {("AttnRes mix N=11 D=1024", "_mix_fwd"), ("AttnRes mix N=11 D=1024", "_mix_bwd"),
-                 ("short conv C=3072", "_fwd"), ("short conv C=3072", "_conv_bwd")}
-    expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_conv_bwd")}
+                 ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd_p"),
+                 ("short conv C=3072", "_bwd_dx")}
+    expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd_p", "_bwd_dx")}
     expected |= {("AttnRes two-phase N=6 S=4 D=1024", n)
                  for n in ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")}
     assert compiled == expected
