@@ -108,6 +108,14 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
     return launches
 
 
+def _causal_capacity(m: int, n: int, k: int, seq_len: int) -> list[aot.Launch]:
+    from k3lit.kernels.routing import capacity as cc
+
+    with aot.record_launches(cc, "_causal_capacity") as launches:
+        cc.causal_capacity(torch.empty(m, n, device=META), torch.empty(n, device=META), k, m, seq_len)
+    return launches
+
+
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused) and at ``small``'s B16·T2048·H12·K64 (fused, with two launch settings), fla's
@@ -155,6 +163,7 @@ def configs() -> dict[str, list[aot.Launch]]:
         "AttnRes two-phase N=6 S=4 D=1024": _attn_res_two_phase(6, 4, 8 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
         "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8256),
+        "causal capacity routing m=32768 n=16 k=2": _causal_capacity(16 * 2048, 16, 2, 2048),
     }
 
 

@@ -10,7 +10,8 @@ through each routing of :class:`k3lit.nn.MoE`, forward and the backward of the g
 - ``top-k``: no capacity (:func:`k3lit.ops.routing.route`);
 - ``quantile capacity``: a per-expert score threshold from earlier steps (here each expert's median score);
 - ``causal capacity cf``: the count limit admitted in position order (:func:`~k3lit.ops.routing.causal_capacity_route`,
-  n + 1 rounds);
+  on CUDA the Triton kernel, one launch); ``causal capacity cf, torch rounds``: the same routing in n + 1 rounds of
+  torch operations (``backend="torch"``, the CPU path);
 - ``forward capacity cf``: the count limit over the forward's tokens in rounds of a host loop (eager only).
 
 Per routing: median ms (``triton.testing.do_bench`` on CUDA, the median of timed calls on the CPU), eager and under
@@ -54,6 +55,8 @@ def routings(m: int, n: int, k: int, seq_len: int, cfs: list[float], threshold: 
     for cf in cfs:
         out[f"causal capacity {cf:g}"] = (
             lambda s, b, cf=cf: causal_capacity_route(s, b, k, cf, seq_len)[:3], True)
+        out[f"causal capacity {cf:g}, torch rounds"] = (
+            lambda s, b, cf=cf: causal_capacity_route(s, b, k, cf, seq_len, backend="torch")[:3], True)
     for cf in cfs:
         out[f"forward capacity {cf:g}"] = (lambda s, b, cf=cf: capacity_route(s, b, k, cf)[:3], False)
     return out

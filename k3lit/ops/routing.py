@@ -32,6 +32,8 @@ import math
 
 import torch
 
+from k3lit.kernels import runs_on
+
 __all__ = [
     "expert_counts",
     "route",
@@ -385,7 +387,7 @@ def _first_overflow_fake(taken: torch.Tensor, cap: int) -> torch.Tensor:
 
 
 def causal_capacity_route(
-    scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float, seq_len: int
+    scores: torch.Tensor, bias: torch.Tensor, k: int, capacity_factor: float, seq_len: int, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing with a per-expert count limit, tokens admitted in position order (docs/MATH.md §2).
 
@@ -396,9 +398,11 @@ def causal_capacity_route(
     tokens before it in priority order: earlier positions of every sequence and the same position of earlier
     sequences, never a later position of any sequence. Every expert ends with at most c tokens.
 
-    Computed without a loop over tokens: with each expert's closing point fixed, every token's choice is one
-    masked top-k; the earliest point at which some expert's running count exceeds c closes that expert there
-    (the choices before it cannot change), and n + 1 such rounds settle all of them. Work ``O(n² m)``.
+    ``backend="triton"`` (the default on CUDA tensors) admits the tokens in one launch, a block of them at a time
+    (``k3lit.kernels.routing``). ``backend="torch"`` runs without a loop over tokens: with each expert's closing
+    point fixed, every token's choice is one masked top-k; the earliest point at which some expert's running count
+    exceeds c closes that expert there (the choices before it cannot change), and n + 1 such rounds settle all of
+    them. Work ``O(n² m)``. Both give the same experts (up to ties in ``s + b``).
 
     Args:
         scores: ``[m, n]`` router scores (may require grad; the weights are differentiable).
@@ -406,13 +410,16 @@ def causal_capacity_route(
         k: experts per token, ``1 <= k <= n``.
         capacity_factor: cf > 0.
         seq_len: T, with ``m`` a multiple of it.
+        backend: ``"auto"`` (Triton on CUDA tensors, torch elsewhere), ``"triton"`` (also CPU tensors under
+            ``TRITON_INTERPRET=1``) or ``"torch"``.
 
     Returns:
         ``(expert_idx [m, k] int64, weights [m, k], rerouted [] int64, dropped [] int64)`` as
         :func:`capacity_route` returns them (-1 and weight 0 for a slot that found no open expert).
 
     Raises:
-        ValueError: bad shapes or k, ``capacity_factor <= 0``, or ``m`` not a multiple of ``seq_len``.
+        ValueError: bad shapes or k, ``capacity_factor <= 0``, ``m`` not a multiple of ``seq_len``, an unknown
+            backend, or ``backend="triton"`` for tensors no Triton kernel runs on.
     """
     _check_scores_bias(scores, bias, k, scores.shape[1])
     if not capacity_factor > 0:
@@ -420,8 +427,18 @@ def causal_capacity_route(
     m, n = scores.shape
     if seq_len < 1 or m % seq_len:
         raise ValueError(f"the {m} tokens are not whole sequences of seq_len={seq_len}")
-    dev = scores.device
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "triton" and not runs_on(scores):
+        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); got "
+                         f"{scores.device} tensors. Use backend='auto' or 'torch'.")
     cap = max(1, min(math.ceil(capacity_factor * m * k / n), m))
+    if backend == "triton" or (backend == "auto" and scores.is_cuda):
+        from k3lit.kernels.routing import causal_capacity_triton
+
+        final, rerouted, dropped = causal_capacity_triton(scores, bias, k, cap, seq_len)
+        return final, _kept_slot_weights(scores, final), rerouted, dropped
+    dev = scores.device
     with torch.no_grad():
         order = torch.arange(m, device=dev).view(m // seq_len, seq_len).T.reshape(-1)  # priority -> row
         key = (scores.detach() + bias.to(scores.dtype))[order]  # [m, n] in priority order

@@ -20,12 +20,14 @@ def test_every_routing_is_timed_and_counted(tmp_path):
     result = run_or_load(a, measure, "Routing with a capacity limit", table)
     assert json.loads((tmp_path / "r.json").read_text()) == result
     rows = {r["routing"]: r for r in result["rows"]}
-    assert list(rows) == ["top-k", "quantile capacity", "causal capacity 1.1", "forward capacity 1.1"]
+    assert list(rows) == ["top-k", "quantile capacity", "causal capacity 1.1", "causal capacity 1.1, torch rounds",
+                          "forward capacity 1.1"]
     assert rows["forward capacity 1.1"]["compiled_ms"] is None  # a host loop: eager only
     for r in rows.values():
         assert r["eager_ms"] > 0 and (r["compiled_ms"] is None or r["compiled_ms"] > 0), r
     assert rows["top-k"]["rerouted"] == 0 < rows["causal capacity 1.1"]["rerouted"]  # the skewed router overflows
-    # causal: n + 1 = 9 rounds of several ops each, far more than the plain top-k
+    assert rows["causal capacity 1.1"]["rerouted"] == rows["causal capacity 1.1, torch rounds"]["rerouted"]
+    # causal on CPU: n + 1 = 9 rounds of several ops each, far more than the plain top-k
     assert rows["causal capacity 1.1"]["aten_ops"] > 9 * 5 > rows["top-k"]["aten_ops"]
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## Routing with a capacity limit (CPU" in text and "| forward capacity 1.1 |" in text

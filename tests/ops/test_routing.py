@@ -313,20 +313,26 @@ def _causal_capacity_loop(scores: torch.Tensor, bias: torch.Tensor, k: int, cap:
     return idx
 
 
-@pytest.mark.parametrize("cf", [1.0, 1.25])
-def test_causal_capacity_route_is_the_token_by_token_admission(seed, cf):
-    B, T, n, k = 3, 60, 8, 2
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("B,T,n,k,cf", [(3, 60, 8, 2, 1.0), (3, 60, 8, 2, 1.25), (4, 33, 5, 3, 1.0),
+                                        (2, 150, 16, 2, 1.1), (4, 300, 16, 2, 1.05), (1, 9, 4, 4, 0.5)])
+def test_causal_capacity_route_is_the_token_by_token_admission(seed, backend, B, T, n, k, cf):
+    """Both backends against the token-by-token loop, in float64: the experts (in the order of s + b), the counts,
+    the weights and their gradient. The Triton kernel (under the interpreter on CPU) walks blocks of 256 tokens:
+    m = 300 spans two, m = 1,200 five, m = 9 (every expert full after 9 tokens at cf 0.5, so slots drop) part of
+    one; 5 experts pad to 16 columns."""
     m = B * T
     scores = _scores(m, n, 2.0 * torch.randn(n)).double().requires_grad_(True)  # skewed: some experts fill up
     bias = torch.randn(n, dtype=torch.float64) * 0.01
-    idx, w, rerouted, dropped = causal_capacity_route(scores, bias, k, cf, T)
+    idx, w, rerouted, dropped = causal_capacity_route(scores, bias, k, cf, T, backend=backend)
     cap = int(np.ceil(cf * m * k / n))
     ref = _causal_capacity_loop(scores.detach(), bias, k, cap, T)
-    np.testing.assert_array_equal(np.sort(idx.numpy(), axis=1), np.sort(ref, axis=1))
+    np.testing.assert_array_equal(idx.numpy(), ref)
     assert int(expert_counts(idx[idx >= 0], n).max()) <= cap
     top = (scores.detach() + bias).topk(k, dim=-1).indices
     want_rerouted = sum(int(j) not in top[i].tolist() for i in range(m) for j in idx[i] if j >= 0)
-    assert (int(rerouted), int(dropped)) == (want_rerouted, int((idx < 0).sum())) and want_rerouted > 0
+    assert (int(rerouted), int(dropped)) == (want_rerouted, int((idx < 0).sum()))
+    assert want_rerouted > 0 if k < n else int(dropped) > 0  # with k = n no slot can move, only drop
     kept = idx >= 0
     s_sel = scores.detach().gather(1, idx.clamp(min=0)) * kept
     torch.testing.assert_close(w.detach(), s_sel / s_sel.sum(-1, keepdim=True).clamp_min(1e-300))
@@ -334,7 +340,21 @@ def test_causal_capacity_route_is_the_token_by_token_admission(seed, cf):
     assert scores.grad.abs().sum() > 0
 
 
-def test_causal_capacity_route_ignores_later_positions(seed):
+def test_causal_capacity_kernel_compiles_into_one_graph(seed):
+    """The Triton route is one opaque op to ``torch.compile`` (no graph break) and routes as it does eagerly."""
+    B, T, n, k = 2, 40, 8, 2
+    scores = _scores(B * T, n, 2.0 * torch.randn(n))
+    bias = torch.zeros(n)
+    eager = causal_capacity_route(scores, bias, k, 1.1, T, backend="triton")
+    fn = torch.compile(lambda s, b: causal_capacity_route(s, b, k, 1.1, T, backend="triton"), fullgraph=True,
+                       backend="aot_eager")
+    got = fn(scores, bias)
+    assert torch.equal(got[0], eager[0]) and int(got[2]) == int(eager[2]) > 0
+    torch.testing.assert_close(got[1], eager[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_causal_capacity_route_ignores_later_positions(seed, backend):
     """New scores at positions >= 30 of one sequence leave every token before position 30 (of every sequence)
     routed as it was; the count limit of :func:`capacity_route` over the same tokens does not."""
     B, T, n, k = 4, 64, 8, 2
@@ -343,8 +363,8 @@ def test_causal_capacity_route_ignores_later_positions(seed):
     later = scores.clone().view(B, T, n)
     later[1, 30:] = _scores(T - 30, n, 3.0 * torch.randn(n))
     later = later.view(B * T, n)
-    idx = causal_capacity_route(scores, bias, k, 1.0, T)[0].view(B, T, k)
-    idx2 = causal_capacity_route(later, bias, k, 1.0, T)[0].view(B, T, k)
+    idx = causal_capacity_route(scores, bias, k, 1.0, T, backend=backend)[0].view(B, T, k)
+    idx2 = causal_capacity_route(later, bias, k, 1.0, T, backend=backend)[0].view(B, T, k)
     assert torch.equal(idx2[:, :30], idx[:, :30]) and not torch.equal(idx2[:, 30:], idx[:, 30:])
     fixed = capacity_route(scores, bias, k, 1.0)[0].view(B, T, k)
     fixed2 = capacity_route(later, bias, k, 1.0)[0].view(B, T, k)
@@ -375,15 +395,19 @@ def test_first_overflow_is_the_row_that_passes_the_count():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
-def test_causal_capacity_route_compiles_with_inductor_at_the_small_recipe_shape():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_causal_capacity_route_compiles_with_inductor_at_the_small_recipe_shape(backend):
     """inductor on CUDA at the ``small`` recipe's MoE shape (m = 16 x 2048 tokens, 16 experts, top-2, cf 1.1): the
-    same routing as eager (inductor 2.11 failed to generate the running count's kernel before ``first_overflow``)."""
+    same routing as eager, and the kernel the same as the torch rounds (inductor 2.11 failed to generate the running
+    count's kernel before ``first_overflow``)."""
     torch.manual_seed(0)
     scores = _scores(16 * 2048, 16, 2.0 * torch.randn(16)).cuda()
     bias = torch.zeros(16, device="cuda")
-    eager = causal_capacity_route(scores, bias, 2, 1.1, 2048)
-    compiled = torch.compile(causal_capacity_route, fullgraph=True)(scores, bias, 2, 1.1, 2048)
+    eager = causal_capacity_route(scores, bias, 2, 1.1, 2048, backend=backend)
+    compiled = torch.compile(causal_capacity_route, fullgraph=True)(scores, bias, 2, 1.1, 2048, backend=backend)
     assert torch.equal(compiled[0], eager[0]) and int(compiled[2]) == int(eager[2]) > 0
+    rounds = causal_capacity_route(scores, bias, 2, 1.1, 2048, backend="torch")
+    assert torch.equal(eager[0], rounds[0]) and (int(eager[2]), int(eager[3])) == (int(rounds[2]), int(rounds[3]))
 
 
 def test_causal_capacity_route_rejects_partial_sequences():
@@ -391,6 +415,8 @@ def test_causal_capacity_route_rejects_partial_sequences():
         causal_capacity_route(torch.rand(10, 4), torch.zeros(4), 2, 1.0, 4)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         causal_capacity_route(torch.rand(8, 4), torch.zeros(4), 2, 0.0, 4)
+    with pytest.raises(ValueError, match="backend must be"):
+        causal_capacity_route(torch.rand(8, 4), torch.zeros(4), 2, 1.0, 4, backend="cuda")
 
 
 def test_capacity_route_needs_a_limit():
