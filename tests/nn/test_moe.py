@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,14 +295,22 @@ def test_capacity_mode_causality(seed, mode):
     assert same == (mode != "forward")
 
 
-@pytest.mark.parametrize("mode", ["causal", "quantile"])
-def test_capacity_compiles_as_one_graph_and_matches_eager(seed, mode):
+@pytest.mark.parametrize("mode", ["causal", "causal-triton", "quantile"])
+def test_capacity_compiles_as_one_graph_and_matches_eager(seed, monkeypatch, mode):
     """Capacity routing and the experts under ``torch.compile(fullgraph=True)`` (a graph break raises: a host sync
     or a data-dependent shape would), forward and backward traced by AOT autograd: the same outputs, gradients and
     re-routed counts as eager. bf16 autocast, as in training (the grouped products' compiled path). The gradients
     agree to float32 rounding: the router's products stay float32 in the traced backward too, where AOT autograd
-    would otherwise run them in bf16 (relative errors of 1e-4 to 4e-3 before ``_Float32Linear``)."""
+    would otherwise run them in bf16 (relative errors of 1e-4 to 4e-3 before ``_Float32Linear``). ``causal-triton``:
+    the causal route through its Triton kernel (the CUDA path; here under the interpreter)."""
     from torch._dynamo.utils import counters
+
+    if mode == "causal-triton":
+        import k3lit.nn.moe
+
+        mode = "causal"
+        monkeypatch.setattr(k3lit.nn.moe, "causal_capacity_route",
+                            functools.partial(k3lit.nn.moe.causal_capacity_route, backend="triton"))
 
     eager = _skewed_moe(mode, quantile_rate=0.5).train()
     for _ in range(4):  # the bias moves; the quantile mode gets its running score threshold

@@ -398,8 +398,8 @@ def test_first_overflow_is_the_row_that_passes_the_count():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_causal_capacity_route_compiles_with_inductor_at_the_small_recipe_shape(backend):
     """inductor on CUDA at the ``small`` recipe's MoE shape (m = 16 x 2048 tokens, 16 experts, top-2, cf 1.1): the
-    same routing as eager, and the kernel the same as the torch rounds (inductor 2.11 failed to generate the running
-    count's kernel before ``first_overflow``)."""
+    same routing as eager, the kernel the same as the torch rounds (inductor 2.11 failed to generate the running
+    count's kernel before ``first_overflow``), and neither synchronises the host."""
     torch.manual_seed(0)
     scores = _scores(16 * 2048, 16, 2.0 * torch.randn(16)).cuda()
     bias = torch.zeros(16, device="cuda")
@@ -408,6 +408,11 @@ def test_causal_capacity_route_compiles_with_inductor_at_the_small_recipe_shape(
     assert torch.equal(compiled[0], eager[0]) and int(compiled[2]) == int(eager[2]) > 0
     rounds = causal_capacity_route(scores, bias, 2, 1.1, 2048, backend="torch")
     assert torch.equal(eager[0], rounds[0]) and (int(eager[2]), int(eager[3])) == (int(rounds[2]), int(rounds[3]))
+    torch.cuda.set_sync_debug_mode("error")  # a call after the first: any host synchronisation raises
+    try:
+        causal_capacity_route(scores, bias, 2, 1.1, 2048, backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_causal_capacity_route_rejects_partial_sequences():
