@@ -111,7 +111,7 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 def _causal_capacity(m: int, n: int, k: int, seq_len: int) -> list[aot.Launch]:
     from k3lit.kernels.routing import capacity as cc
 
-    with aot.record_launches(cc, "_causal_capacity") as launches:
+    with aot.record_launches(cc, "_free_choices", "_admit") as launches:
         cc.causal_capacity(torch.empty(m, n, device=META), torch.empty(n, device=META), k, m, seq_len)
     return launches
 

@@ -10,7 +10,7 @@ through each routing of :class:`k3lit.nn.MoE`, forward and the backward of the g
 - ``top-k``: no capacity (:func:`k3lit.ops.routing.route`);
 - ``quantile capacity``: a per-expert score threshold from earlier steps (here each expert's median score);
 - ``causal capacity cf``: the count limit admitted in position order (:func:`~k3lit.ops.routing.causal_capacity_route`,
-  on CUDA the Triton kernel, one launch); ``causal capacity cf, torch rounds``: the same routing in n + 1 rounds of
+  on CUDA the Triton kernels, two launches); ``causal capacity cf, torch rounds``: the same routing in n + 1 rounds of
   torch operations (``backend="torch"``, the CPU path);
 - ``forward capacity cf``: the count limit over the forward's tokens in rounds of a host loop (eager only).
 

@@ -398,7 +398,8 @@ def causal_capacity_route(
     tokens before it in priority order: earlier positions of every sequence and the same position of earlier
     sequences, never a later position of any sequence. Every expert ends with at most c tokens.
 
-    ``backend="triton"`` (the default on CUDA tensors) admits the tokens in one launch, a block of them at a time
+    ``backend="triton"`` (the default on CUDA tensors) takes every token's plain top k in parallel up to
+    the first block of tokens that would overflow an expert, then admits the rest a block at a time in one program
     (``k3lit.kernels.routing``). ``backend="torch"`` runs without a loop over tokens: with each expert's closing
     point fixed, every token's choice is one masked top-k; the earliest point at which some expert's running count
     exceeds c closes that expert there (the choices before it cannot change), and n + 1 such rounds settle all of

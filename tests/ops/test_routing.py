@@ -340,6 +340,20 @@ def test_causal_capacity_route_is_the_token_by_token_admission(seed, backend, B,
     assert scores.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_causal_capacity_route_closes_an_expert_that_fills_at_a_block_boundary(backend):
+    """One sequence of 1,024 tokens, top-1, cf 2 (512 tokens an expert): the first 768 tokens prefer expert 0, then
+    expert 1; the rest prefer expert 2. Expert 0 fills with token 511, the last of the kernel's second block of 256,
+    so the blocks before it are final as the parallel pass chose them and the third block is admitted token by
+    token: tokens 512-767 move to expert 1."""
+    m, n = 1024, 4
+    scores = torch.full((m, n), 0.1)
+    scores[:768, 0], scores[:768, 1], scores[768:, 2] = 0.9, 0.5, 0.9
+    idx, _, rerouted, dropped = causal_capacity_route(scores, torch.zeros(n), 1, 2.0, m, backend=backend)
+    want = torch.cat([torch.zeros(512), torch.ones(256), torch.full((256,), 2)]).long()[:, None]
+    assert torch.equal(idx, want) and (int(rerouted), int(dropped)) == (256, 0)
+
+
 def test_causal_capacity_kernel_compiles_into_one_graph(seed):
     """The Triton route is one opaque op to ``torch.compile`` (no graph break) and routes as it does eagerly."""
     B, T, n, k = 2, 40, 8, 2

@@ -25,6 +25,6 @@ def _(scores, bias, k, cap, seq_len):
 def causal_capacity_triton(scores: torch.Tensor, bias: torch.Tensor, k: int, cap: int,
                            seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(expert_idx [m, k] int64, rerouted [] int64, dropped [] int64)`` of causal capacity routing (see
-    :func:`k3lit.ops.routing.causal_capacity_route`, which checks the arguments), in one launch."""
+    :func:`k3lit.ops.routing.causal_capacity_route`, which checks the arguments), in two launches."""
     idx, stats = _causal_capacity(scores.detach(), bias.detach(), k, cap, seq_len)
     return idx, stats[0], stats[1]

@@ -1,13 +1,15 @@
-"""Causal capacity routing as one Triton program (docs/MATH.md §2, capacity modes).
+"""Causal capacity routing in two Triton launches (docs/MATH.md §2, capacity modes).
 
 Tokens are admitted in *priority order*, position 0 of every sequence, then position 1, and so on; each takes its
-top k of ``s + b`` among the experts that hold fewer than ``c`` tokens. The admission is sequential by definition,
-but an expert's state changes at most once (it fills up), so the program walks the priority order a block of
-``BLOCK`` tokens at a time: with the set of full experts fixed, every token of the block chooses at once (k
-arg-maxes over its row), a running count down the block finds the first token that would overflow an expert, the
-tokens before it are final, the experts they filled close, and the block resumes from that token. Each pass
-finalises the rest of the block or closes at least one expert, so a call makes at most ``m / BLOCK + n`` passes,
-all in one launch: no host synchronisation, and ``torch.compile`` sees one opaque op.
+top k of ``s + b`` among the experts that hold fewer than ``c`` tokens. Until the first expert fills, every token
+takes its plain top k, so a parallel pass (``_free_choices``, one program per block of ``BLOCK`` tokens) writes
+every token's plain top k and each block's per-expert counts. One program (``_admit``) then adds the blocks' counts
+up to the first block that would overflow an expert and walks the priority order from there, a block at a time:
+with the set of full experts fixed, every token of the block chooses at once (k arg-maxes over its row), a running
+count down the block finds the first token that would overflow an expert, the tokens before it are final, the
+experts they filled close, and the block resumes from that token. Each pass finalises the rest of the block or
+closes at least one expert, so the walk makes at most ``m / BLOCK + n`` passes: no host synchronisation, and
+``torch.compile`` sees one opaque op.
 """
 
 from __future__ import annotations
@@ -36,22 +38,62 @@ def _slot_ranks(key, cols, K: tl.constexpr):
 
 
 @triton.jit
-def _causal_capacity(scores_ptr, bias_ptr, out_ptr, stats_ptr, m, n, n_seq, seq_len, cap,
-                     K: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+def _load_key(scores_ptr, bias, rank, lanes_ok, cols, col_ok, m, n, n_seq, seq_len):
+    """``(key [BLOCK, NP], row [BLOCK] int64)``: ``s + b`` of the tokens at priority ranks ``rank`` (position ``rank //
+    n_seq`` of sequence ``rank % n_seq``), -inf in padded columns and past the last token."""
+    valid = lanes_ok & (rank < m)
+    row = ((rank % n_seq) * seq_len + rank // n_seq).to(tl.int64)
+    s = tl.load(scores_ptr + row[:, None] * n + cols[None, :], mask=valid[:, None] & col_ok[None, :],
+                other=float("-inf"))
+    return s + bias.to(s.dtype)[None, :], row
+
+
+@triton.jit
+def _store_slots(out_ptr, row, ranks, cols, mask, K: tl.constexpr):
+    """Each row's experts in slot order (-1 where a slot has none) from :func:`_slot_ranks`' ranks."""
+    for slot in tl.static_range(K):
+        expert = tl.max(tl.where(ranks == slot + 1, cols[None, :], -1), axis=1)
+        tl.store(out_ptr + row * K + slot, expert.to(tl.int64), mask=mask)
+
+
+@triton.jit
+def _free_choices(scores_ptr, bias_ptr, out_ptr, counts_ptr, m, n, n_seq, seq_len,
+                  K: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    cols = tl.arange(0, NP)
+    col_ok = cols < n
+    rank = tl.program_id(0) * BLOCK + lanes
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    key, row = _load_key(scores_ptr, bias, rank, lanes >= 0, cols, col_ok, m, n, n_seq, seq_len)
+    ranks = _slot_ranks(key, cols, K)
+    _store_slots(out_ptr, row, ranks, cols, rank < m, K)
+    tl.store(counts_ptr + tl.program_id(0) * NP + cols, tl.sum((ranks > 0).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _admit(scores_ptr, bias_ptr, out_ptr, counts_ptr, stats_ptr, m, n, n_seq, seq_len, cap,
+           K: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     cols = tl.arange(0, NP)
     col_ok = cols < n
     bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
     room = tl.where(col_ok, cap, 0)  # padded experts count as full
+    # the blocks whose plain choices fit the room left are final as _free_choices wrote them
+    n_blocks = tl.cdiv(m, BLOCK)
+    block = 0
+    go = n_blocks > 0
+    while go:
+        count = tl.load(counts_ptr + block * NP + cols)
+        fits = tl.max((count > room).to(tl.int32), axis=0) == 0
+        room = tl.where(fits, room - count, room)
+        block = tl.where(fits, block + 1, block)
+        go = fits & (block < n_blocks)
     rerouted = tl.zeros([], tl.int32)
     dropped = tl.zeros([], tl.int32)
-    for start in range(0, m, BLOCK):
-        rank = start + lanes  # priority rank = position * n_seq + sequence
+    for start in range(block * BLOCK, m, BLOCK):
+        rank = start + lanes
         valid = rank < m
-        row = ((rank % n_seq) * seq_len + rank // n_seq).to(tl.int64)
-        s = tl.load(scores_ptr + row[:, None] * n + cols[None, :], mask=valid[:, None] & col_ok[None, :],
-                    other=float("-inf"))
-        key = s + bias.to(s.dtype)[None, :]
+        key, row = _load_key(scores_ptr, bias, rank, lanes >= 0, cols, col_ok, m, n, n_seq, seq_len)
         top = _slot_ranks(key, cols, K) > 0  # the first k candidates, for the re-routed count
         done = start
         while done < start + BLOCK:
@@ -61,9 +103,7 @@ def _causal_capacity(scores_ptr, bias_ptr, out_ptr, stats_ptr, m, n, n_seq, seq_
             over = tl.max((tl.cumsum(taken, axis=0) > room[None, :]).to(tl.int32), axis=1) > 0
             first = tl.min(tl.where(over, lanes, BLOCK))  # the first token that would overflow an expert
             final = active & (lanes < first)
-            for slot in tl.static_range(K):
-                expert = tl.max(tl.where(ranks == slot + 1, cols[None, :], -1), axis=1)
-                tl.store(out_ptr + row * K + slot, expert.to(tl.int64), mask=final)
+            _store_slots(out_ptr, row, ranks, cols, final, K)
             kept = taken * final[:, None].to(tl.int32)
             room -= tl.sum(kept, axis=0)
             rerouted += tl.sum(tl.sum(tl.where(top, 0, kept), axis=1), axis=0)
@@ -94,8 +134,12 @@ def causal_capacity(scores: torch.Tensor, bias: torch.Tensor, k: int, cap: int,
     scores = scores.detach().contiguous()
     out = torch.empty(m, k, dtype=torch.int64, device=scores.device)
     stats = torch.empty(2, dtype=torch.int64, device=scores.device)
+    bias = bias.detach().contiguous()
     NP = max(16, triton.next_power_of_2(n))
     block = max(16, min(512, TILE_ELEMENTS // NP))
-    _causal_capacity[(1,)](scores, bias.detach().contiguous(), out, stats, m, n, m // seq_len, seq_len, cap,
-                           K=k, NP=NP, BLOCK=block, num_warps=4)
+    n_blocks = triton.cdiv(m, block)
+    counts = torch.empty(n_blocks, NP, dtype=torch.int32, device=scores.device)
+    args = (m, n, m // seq_len, seq_len)
+    _free_choices[(n_blocks,)](scores, bias, out, counts, *args, K=k, NP=NP, BLOCK=block, num_warps=4)
+    _admit[(1,)](scores, bias, out, counts, stats, *args, cap, K=k, NP=NP, BLOCK=block, num_warps=4)
     return out, stats
