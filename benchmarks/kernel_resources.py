@@ -116,6 +116,14 @@ def _causal_capacity(m: int, n: int, k: int, seq_len: int) -> list[aot.Launch]:
     return launches
 
 
+def _sort_slots(m: int, n: int, k: int) -> list[aot.Launch]:
+    from k3lit.kernels.routing import sort
+
+    with aot.record_launches(sort, "_block_counts", "_place") as launches:
+        sort.sort_slots(torch.empty(m, k, dtype=torch.int64, device=META), n)
+    return launches
+
+
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused) and at ``small``'s B16·T2048·H12·K64 (fused, with two launch settings), fla's
@@ -164,6 +172,7 @@ def configs() -> dict[str, list[aot.Launch]]:
         "short conv C=3072": _short_conv(16, 2048, 3072),
         "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8256),
         "causal capacity routing m=32768 n=16 k=2": _causal_capacity(16 * 2048, 16, 2, 2048),
+        "slot sort m=32768 n=16 k=2": _sort_slots(16 * 2048, 16, 2),
     }
 
 

@@ -45,7 +45,6 @@ from k3lit.ops.routing import (
     capacity_threshold_from_histogram,
     causal_capacity_route,
     chooser_score_histogram,
-    expert_counts,
     expert_load,
     quantile_bias,
     quantile_bias_from_histogram,
@@ -342,19 +341,14 @@ class MoE(nn.Module):
         if self.dispatcher is not None:
             return self.dispatcher(h, expert_idx, self.experts, self.n_experts)
         m, k = expert_idx.shape
+        order, inverse, ends = sort_slots(expert_idx, self.n_experts)  # dropped slots last, into no group
         if self.capacity_factor is None:  # every slot kept: the sort is a permutation, undone by gathers
-            order, inverse = sort_slots(expert_idx)
-            offsets = expert_counts(expert_idx, self.n_experts).cumsum(0).to(torch.int32)  # [E] ends
-            ys = self.experts(dispatch_tokens(h, order, inverse, k), offsets)  # [m k, D] by expert
+            ys = self.experts(dispatch_tokens(h, order, inverse, k), ends)  # [m k, D] by expert
             return undo_sort(ys, order, inverse).view(m, k, -1)
-        flat = expert_idx.reshape(-1)  # [m k]
-        flat = torch.where(flat < 0, self.n_experts, flat)  # dropped slots sort last, into no group
-        order = flat.argsort(stable=True)
-        ends = expert_counts(flat, self.n_experts + 1)[: self.n_experts].cumsum(0)  # [E]
         # all m k slots keep their rows (no data-dependent shape, no host sync); the dropped ones, past the last
         # group, are zeroed on the way in and out, so neither they nor their gradients reach h or the output
-        kept = (torch.arange(m * k, device=flat.device) < ends[-1])[:, None]
-        ys = self.experts(torch.where(kept, h[order // k], 0), ends.to(torch.int32))
+        kept = (torch.arange(m * k, device=order.device) < ends[-1])[:, None]
+        ys = self.experts(torch.where(kept, h[order // k], 0), ends)
         ys = torch.where(kept, ys, 0)
         return torch.empty_like(ys).index_copy(0, order, ys).view(m, k, -1)
 

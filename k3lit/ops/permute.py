@@ -16,16 +16,45 @@ from __future__ import annotations
 
 import torch
 
+from k3lit.kernels import runs_on
+
 __all__ = ["sort_slots", "dispatch_tokens", "undo_sort"]
 
 
-def sort_slots(expert_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, inverse)`` of the ``m k`` slots of ``expert_idx [m, k]`` (int64 in ``[0, n)``), stably sorted by
-    expert: ``order [m k]`` sorted position -> slot, ``inverse [m k]`` slot -> sorted position (int64)."""
-    order = expert_idx.reshape(-1).argsort(stable=True)
+def sort_slots(expert_idx: torch.Tensor, n: int, *, backend: str = "auto"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``m k`` slots of ``expert_idx [m, k]`` sorted stably by expert, dropped slots (-1) after every expert.
+
+    Args:
+        expert_idx: ``[m, k]`` int64 experts in ``[0, n)``, or -1 for a dropped slot.
+        n: experts.
+        backend: ``"auto"`` (the Triton counting sort of ``k3lit.kernels.routing`` on CUDA tensors, a stable
+            ``argsort`` elsewhere), ``"triton"`` (also CPU tensors under ``TRITON_INTERPRET=1``) or ``"torch"``.
+
+    Returns:
+        ``(order [m k] int64, inverse [m k] int64, ends [n] int32)``: ``order`` sorted position -> slot,
+        ``inverse`` slot -> sorted position, ``ends[e]`` the end of expert e's sorted rows (the grouped product's
+        offsets). Both backends return the same tensors.
+
+    Raises:
+        ValueError: an unknown backend, or ``"triton"`` for tensors no Triton kernel runs on.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "triton" and not runs_on(expert_idx):
+        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); got "
+                         f"{expert_idx.device} tensors. Use backend='auto' or 'torch'.")
+    if backend == "triton" or (backend == "auto" and expert_idx.is_cuda):
+        from k3lit.kernels.routing import sort_slots_triton
+
+        return sort_slots_triton(expert_idx, n)
+    flat = expert_idx.reshape(-1)
+    flat = torch.where(flat < 0, n, flat)  # dropped slots sort last, into no expert's rows
+    order = flat.argsort(stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return order, inverse
+    ends = torch.zeros(n + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, inverse, ends[:n].cumsum(0).to(torch.int32)
 
 
 class _Dispatch(torch.autograd.Function):
