@@ -37,8 +37,12 @@ def sort_slots(expert_idx: torch.Tensor, n: int, *, backend: str = "auto"
         offsets). Both backends return the same tensors.
 
     Raises:
-        ValueError: an unknown backend, or ``"triton"`` for tensors no Triton kernel runs on.
+        ValueError: ``expert_idx`` not a 2-D int64 tensor, an unknown backend, or ``"triton"`` for tensors no Triton
+            kernel runs on. Values outside ``[-1, n)`` are not checked (that would synchronise the host).
     """
+    if expert_idx.dim() != 2 or expert_idx.dtype != torch.int64:
+        raise ValueError(f"expert_idx must be a [m, k] int64 tensor, got {expert_idx.dtype} of shape "
+                         f"{tuple(expert_idx.shape)}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "triton" and not runs_on(expert_idx):

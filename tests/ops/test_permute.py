@@ -78,3 +78,13 @@ def test_gpu_sort_slots_at_the_small_recipe_shape(dropped):
         sort_slots(idx, 16, backend="triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sort_slots_of_no_tokens_and_bad_input(backend):
+    order, inverse, ends = sort_slots(torch.empty(0, 2, dtype=torch.int64), 4, backend=backend)
+    assert order.numel() == inverse.numel() == 0 and ends.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"must be a \[m, k\] int64 tensor"):
+        sort_slots(torch.zeros(3, 2, dtype=torch.int32), 4, backend=backend)
+    with pytest.raises(ValueError, match=r"must be a \[m, k\] int64 tensor"):
+        sort_slots(torch.zeros(6, dtype=torch.int64), 4, backend=backend)

@@ -443,3 +443,25 @@ def test_capacity_route_needs_a_limit():
         capacity_route(torch.rand(5, 4), torch.zeros(4), 2)
     with pytest.raises(ValueError, match="min_score must be"):
         capacity_route(torch.rand(5, 4), torch.zeros(4), 2, min_score=torch.zeros(3))
+
+
+def test_causal_capacity_kernel_takes_no_expert_with_a_non_finite_score():
+    """A NaN or -inf score is an expert the token never takes, and the slots left without one count as dropped, in
+    the blocks the kernel admits token by token and in the ones it keeps from its parallel pass (-inf: as the torch
+    rounds do)."""
+    torch.manual_seed(0)
+    m, n, k = 600, 4, 4
+    scores = torch.rand(m, n)
+    scores[3, 1] = scores[400, 2] = float("-inf")  # block 0 fits as chosen; block 1 overflows (cf 0.8)
+    idx, _, _, dropped = causal_capacity_route(scores, torch.zeros(n), k, 0.8, m, backend="triton")
+    ref = causal_capacity_route(scores, torch.zeros(n), k, 0.8, m, backend="torch")
+    assert torch.equal(idx, ref[0]) and int(dropped) == int(ref[3]) == int((idx < 0).sum()) > 2
+    scores[5, 0] = float("nan")
+    idx = causal_capacity_route(scores, torch.zeros(n), k, 0.8, m, backend="triton")[0]
+    assert 0 not in idx[5].tolist() and idx[5].tolist().count(-1) == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_causal_capacity_route_of_no_tokens(backend):
+    idx, w, rerouted, dropped = causal_capacity_route(torch.rand(0, 4), torch.zeros(4), 2, 1.0, 8, backend=backend)
+    assert idx.shape == w.shape == (0, 2) and int(rerouted) == int(dropped) == 0

@@ -40,5 +40,5 @@ def sort_slots_triton(expert_idx: torch.Tensor, n: int) -> tuple[torch.Tensor, t
 @sort_slots_triton.register_fake
 def _(expert_idx, n):
     slots = expert_idx.numel()
-    return (expert_idx.new_empty(slots), expert_idx.new_empty(slots),
+    return (expert_idx.new_empty(slots, dtype=torch.int64), expert_idx.new_empty(slots, dtype=torch.int64),
             expert_idx.new_empty(n, dtype=torch.int32))

@@ -40,12 +40,14 @@ def _slot_ranks(key, cols, K: tl.constexpr):
 @triton.jit
 def _load_key(scores_ptr, bias, rank, lanes_ok, cols, col_ok, m, n, n_seq, seq_len):
     """``(key [BLOCK, NP], row [BLOCK] int64)``: ``s + b`` of the tokens at priority ranks ``rank`` (position ``rank //
-    n_seq`` of sequence ``rank % n_seq``), -inf in padded columns and past the last token."""
+    n_seq`` of sequence ``rank % n_seq``), -inf in padded columns, past the last token and for a NaN score (which
+    no expert then takes: on the GPU a NaN would make the arg-max pick a padded column)."""
     valid = lanes_ok & (rank < m)
     row = ((rank % n_seq) * seq_len + rank // n_seq).to(tl.int64)
     s = tl.load(scores_ptr + row[:, None] * n + cols[None, :], mask=valid[:, None] & col_ok[None, :],
                 other=float("-inf"))
-    return s + bias.to(s.dtype)[None, :], row
+    key = s + bias.to(s.dtype)[None, :]
+    return tl.where(key == key, key, float("-inf")), row
 
 
 @triton.jit
@@ -57,7 +59,7 @@ def _store_slots(out_ptr, row, ranks, cols, mask, K: tl.constexpr):
 
 
 @triton.jit
-def _free_choices(scores_ptr, bias_ptr, out_ptr, counts_ptr, m, n, n_seq, seq_len,
+def _free_choices(scores_ptr, bias_ptr, out_ptr, counts_ptr, dropped_ptr, m, n, n_seq, seq_len,
                   K: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     cols = tl.arange(0, NP)
@@ -67,11 +69,13 @@ def _free_choices(scores_ptr, bias_ptr, out_ptr, counts_ptr, m, n, n_seq, seq_le
     key, row = _load_key(scores_ptr, bias, rank, lanes >= 0, cols, col_ok, m, n, n_seq, seq_len)
     ranks = _slot_ranks(key, cols, K)
     _store_slots(out_ptr, row, ranks, cols, rank < m, K)
-    tl.store(counts_ptr + tl.program_id(0) * NP + cols, tl.sum((ranks > 0).to(tl.int32), axis=0))
+    taken = (ranks > 0).to(tl.int32)
+    tl.store(counts_ptr + tl.program_id(0) * NP + cols, tl.sum(taken, axis=0))
+    tl.store(dropped_ptr + tl.program_id(0), tl.sum(tl.where(rank < m, K - tl.sum(taken, axis=1), 0), axis=0))
 
 
 @triton.jit
-def _admit(scores_ptr, bias_ptr, out_ptr, counts_ptr, stats_ptr, m, n, n_seq, seq_len, cap,
+def _admit(scores_ptr, bias_ptr, out_ptr, counts_ptr, dropped_ptr, stats_ptr, m, n, n_seq, seq_len, cap,
            K: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     cols = tl.arange(0, NP)
@@ -81,15 +85,16 @@ def _admit(scores_ptr, bias_ptr, out_ptr, counts_ptr, stats_ptr, m, n, n_seq, se
     # the blocks whose plain choices fit the room left are final as _free_choices wrote them
     n_blocks = tl.cdiv(m, BLOCK)
     block = 0
+    dropped = tl.zeros([], tl.int32)  # slots of the skipped blocks with no finite score to take
     go = n_blocks > 0
     while go:
         count = tl.load(counts_ptr + block * NP + cols)
         fits = tl.max((count > room).to(tl.int32), axis=0) == 0
         room = tl.where(fits, room - count, room)
+        dropped += tl.where(fits, tl.load(dropped_ptr + block), 0)
         block = tl.where(fits, block + 1, block)
         go = fits & (block < n_blocks)
     rerouted = tl.zeros([], tl.int32)
-    dropped = tl.zeros([], tl.int32)
     for start in range(block * BLOCK, m, BLOCK):
         rank = start + lanes
         valid = rank < m
@@ -133,13 +138,16 @@ def causal_capacity(scores: torch.Tensor, bias: torch.Tensor, k: int, cap: int,
     m, n = scores.shape
     scores = scores.detach().contiguous()
     out = torch.empty(m, k, dtype=torch.int64, device=scores.device)
-    stats = torch.empty(2, dtype=torch.int64, device=scores.device)
+    stats = torch.zeros(2, dtype=torch.int64, device=scores.device)
+    if m == 0:
+        return out, stats
     bias = bias.detach().contiguous()
     NP = max(16, triton.next_power_of_2(n))
     block = max(16, min(512, TILE_ELEMENTS // NP))
     n_blocks = triton.cdiv(m, block)
     counts = torch.empty(n_blocks, NP, dtype=torch.int32, device=scores.device)
+    dropped = torch.empty(n_blocks, dtype=torch.int32, device=scores.device)
     args = (m, n, m // seq_len, seq_len)
-    _free_choices[(n_blocks,)](scores, bias, out, counts, *args, K=k, NP=NP, BLOCK=block, num_warps=4)
-    _admit[(1,)](scores, bias, out, counts, stats, *args, cap, K=k, NP=NP, BLOCK=block, num_warps=4)
+    _free_choices[(n_blocks,)](scores, bias, out, counts, dropped, *args, K=k, NP=NP, BLOCK=block, num_warps=4)
+    _admit[(1,)](scores, bias, out, counts, dropped, stats, *args, cap, K=k, NP=NP, BLOCK=block, num_warps=4)
     return out, stats

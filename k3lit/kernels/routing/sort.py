@@ -6,7 +6,7 @@ stable sort by group puts slot s at
     p_s = start[e_s] + #{s' < s : e_s' = e_s},   start[e] = #{s' : e_s' < e},
 
 which is what ``argsort(stable=True)`` returns, computed without comparisons: ``_block_counts`` counts each block
-of ``BLOCK`` tokens' slots per group; ``_place`` (one program per block) adds the counts of the blocks before its
+of tokens' slots per group; ``_place`` (one program per block) adds the counts of the blocks before its
 own and of the groups below each, and ranks its slots inside the block by a running count down the block.
 """
 
@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 256
-"""Tokens a program of either kernel takes."""
+TILE_ELEMENTS = 4096
+"""Tokens x groups (padded to a power of two) a program holds: 256 tokens of up to 16 groups, fewer for more
+experts (the ``[tokens, groups]`` int32 tiles spill past about 4,096 entries at 4 warps)."""
 
 
 @triton.jit
@@ -82,14 +83,17 @@ def sort_slots(expert_idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     m, k = expert_idx.shape
     idx = expert_idx.contiguous()
     dev = idx.device
-    G = max(16, triton.next_power_of_2(n + 1))
-    n_blocks = triton.cdiv(m, BLOCK)
-    counts = torch.empty(n_blocks, G, dtype=torch.int32, device=dev)
     order = torch.empty(m * k, dtype=torch.int64, device=dev)
     inverse = torch.empty(m * k, dtype=torch.int64, device=dev)
+    if m == 0:
+        return order, inverse, torch.zeros(n, dtype=torch.int32, device=dev)
+    G = max(16, triton.next_power_of_2(n + 1))
+    block = max(16, min(256, TILE_ELEMENTS // G))
+    n_blocks = triton.cdiv(m, block)
+    counts = torch.empty(n_blocks, G, dtype=torch.int32, device=dev)
     ends = torch.empty(n, dtype=torch.int32, device=dev)
-    _block_counts[(n_blocks,)](idx, counts, m, n, K=k, G=G, BLOCK=BLOCK, num_warps=4)
-    blocks = max(16, min(128, triton.next_power_of_2(n_blocks)))
-    _place[(n_blocks,)](idx, counts, order, inverse, ends, m, n, n_blocks, K=k, G=G, BLOCK=BLOCK, BLOCKS=blocks,
+    _block_counts[(n_blocks,)](idx, counts, m, n, K=k, G=G, BLOCK=block, num_warps=4)
+    blocks = max(16, min(TILE_ELEMENTS // G, triton.next_power_of_2(n_blocks)))
+    _place[(n_blocks,)](idx, counts, order, inverse, ends, m, n, n_blocks, K=k, G=G, BLOCK=block, BLOCKS=blocks,
                         num_warps=4)
     return order, inverse, ends
