@@ -54,8 +54,8 @@ __all__ = [
 
 
 def _check_scores_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, k_max: int) -> None:
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [m, n], got shape {tuple(scores.shape)}")
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating [m, n] tensor, got {scores.dtype} of shape {tuple(scores.shape)}")
     n = scores.shape[1]
     if bias.shape != (n,):
         raise ValueError(f"bias must be [n] = [{n}], got shape {tuple(bias.shape)}")
@@ -423,8 +423,8 @@ def causal_capacity_route(
             backend, or ``backend="triton"`` for tensors no Triton kernel runs on.
     """
     _check_scores_bias(scores, bias, k, scores.shape[1])
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if not 0 < capacity_factor < math.inf:
+        raise ValueError(f"capacity_factor must be > 0 and finite, got {capacity_factor}")
     m, n = scores.shape
     if seq_len < 1 or m % seq_len:
         raise ValueError(f"the {m} tokens are not whole sequences of seq_len={seq_len}")

@@ -436,6 +436,10 @@ def test_causal_capacity_route_rejects_partial_sequences():
         causal_capacity_route(torch.rand(8, 4), torch.zeros(4), 2, 0.0, 4)
     with pytest.raises(ValueError, match="backend must be"):
         causal_capacity_route(torch.rand(8, 4), torch.zeros(4), 2, 1.0, 4, backend="cuda")
+    with pytest.raises(ValueError, match="capacity_factor must be > 0 and finite"):
+        causal_capacity_route(torch.rand(8, 4), torch.zeros(4), 2, float("inf"), 4)
+    with pytest.raises(ValueError, match="scores must be a floating"):
+        causal_capacity_route(torch.ones(8, 4, dtype=torch.int64), torch.zeros(4), 2, 1.0, 4)
 
 
 def test_capacity_route_needs_a_limit():
