@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lit.kernels import runs_on
+from k3lit.kernels import use_triton
 
 __all__ = ["sort_slots", "dispatch_tokens", "undo_sort"]
 
@@ -43,12 +43,7 @@ def sort_slots(expert_idx: torch.Tensor, n: int, *, backend: str = "auto"
     if expert_idx.dim() != 2 or expert_idx.dtype != torch.int64:
         raise ValueError(f"expert_idx must be a [m, k] int64 tensor, got {expert_idx.dtype} of shape "
                          f"{tuple(expert_idx.shape)}")
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "triton" and not runs_on(expert_idx):
-        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); got "
-                         f"{expert_idx.device} tensors. Use backend='auto' or 'torch'.")
-    if backend == "triton" or (backend == "auto" and expert_idx.is_cuda):
+    if use_triton(expert_idx, backend):
         from k3lit.kernels.routing import sort_slots_triton
 
         return sort_slots_triton(expert_idx, n)

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from k3lit.kernels import runs_on
+from k3lit.kernels import use_triton
 
 __all__ = [
     "expert_counts",
@@ -428,13 +428,9 @@ def causal_capacity_route(
     m, n = scores.shape
     if seq_len < 1 or m % seq_len:
         raise ValueError(f"the {m} tokens are not whole sequences of seq_len={seq_len}")
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if backend == "triton" and not runs_on(scores):
-        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); got "
-                         f"{scores.device} tensors. Use backend='auto' or 'torch'.")
+    triton = use_triton(scores, backend)
     cap = max(1, min(math.ceil(capacity_factor * m * k / n), m))
-    if backend == "triton" or (backend == "auto" and scores.is_cuda):
+    if triton:
         from k3lit.kernels.routing import causal_capacity_triton
 
         final, rerouted, dropped = causal_capacity_triton(scores, bias, k, cap, seq_len)

@@ -88,3 +88,12 @@ def test_sort_slots_of_no_tokens_and_bad_input(backend):
         sort_slots(torch.zeros(3, 2, dtype=torch.int32), 4, backend=backend)
     with pytest.raises(ValueError, match=r"must be a \[m, k\] int64 tensor"):
         sort_slots(torch.zeros(6, dtype=torch.int64), 4, backend=backend)
+
+
+def test_triton_backend_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        sort_slots(torch.zeros(3, 2, dtype=torch.int64), 4, backend="triton")
+    with pytest.raises(ValueError, match="backend must be"):
+        sort_slots(torch.zeros(3, 2, dtype=torch.int64), 4, backend="cuda")
+    assert sort_slots(torch.zeros(3, 2, dtype=torch.int64), 4)[2].tolist() == [6, 6, 6, 6]  # auto: torch on CPU
