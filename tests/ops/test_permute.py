@@ -40,8 +40,9 @@ def test_gradcheck():
                                            (300, 3, 40, 0.1)])
 def test_sort_slots_is_the_stable_argsort(backend, m, k, n, dropped):
     """Both backends against ``argsort(stable=True)`` with dropped slots (-1) sorted after every expert: the order,
-    its inverse and each expert's end. The Triton counting sort (under the interpreter on CPU) takes blocks of 256
-    tokens: m = 700 spans three, and a token may hold two dropped slots."""
+    its inverse and each expert's end. The Triton counting sort (under the interpreter on CPU) takes blocks of 4,096
+    / G tokens, G = n + 1 groups padded to a power of two (256 for 6 experts, 128 for 16, 64 for 40): m = 700 spans
+    six, and a token may hold two dropped slots."""
     g = torch.Generator().manual_seed(m + k + n)
     idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(m)])
     idx[torch.rand(m, k, generator=g) < dropped] = -1
