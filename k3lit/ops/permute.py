@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from k3lit.kernels import use_triton
+from k3lit.ops.routing import expert_counts
 
 __all__ = ["sort_slots", "dispatch_tokens", "undo_sort"]
 
@@ -52,8 +53,7 @@ def sort_slots(expert_idx: torch.Tensor, n: int, *, backend: str = "auto"
     order = flat.argsort(stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    ends = torch.zeros(n + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return order, inverse, ends[:n].cumsum(0).to(torch.int32)
+    return order, inverse, expert_counts(flat, n + 1)[:n].cumsum(0).to(torch.int32)
 
 
 class _Dispatch(torch.autograd.Function):

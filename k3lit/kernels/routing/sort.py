@@ -7,7 +7,9 @@ stable sort by group puts slot s at
 
 which is what ``argsort(stable=True)`` returns, computed without comparisons: ``_block_counts`` counts each block
 of tokens' slots per group; ``_place`` (one program per block) adds the counts of the blocks before its
-own and of the groups below each, and ranks its slots inside the block by a running count down the block.
+own and of the groups below each, and ranks its slots inside the block by a running count down the block. Each
+``_place`` program reads every block's counts (``n_blocks x G`` int32: 32 KB at ``small``'s 32,768 tokens of 16
+experts), so that read grows with the square of the tokens a call sorts.
 """
 
 from __future__ import annotations
