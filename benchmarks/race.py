@@ -38,6 +38,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -162,6 +163,11 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
               "curve": curve(fit_rows), "expert_load": None, "final_val_loss": None,
               "median_tokens_per_s": statistics.median(tps) if tps else None,
               "first_step_s": first_step_seconds(folder.with_suffix(".fit.log").read_text()), "positions": None}
+    heatmaps = sorted(folder.glob("**/expert_load/step*.png"))  # the fit's last layer x expert load, kept
+    if heatmaps:
+        beside = Path(a.json).parent if a.json else out
+        record["expert_load_png"] = f"{Path(a.json).stem if a.json else 'race'}_{name}-{seed}_expert_load.png"
+        shutil.copyfile(heatmaps[-1], beside / record["expert_load_png"])
     save(record)
     k3lit("validate", "--config", recipe, *data_args(recipe, a.seq_len), "--ckpt_path",
           str(folder / "checkpoints" / "last.ckpt"), f"--trainer.limit_val_batches={a.final_batches}",
@@ -322,18 +328,31 @@ def verdict(by_label: dict[str, list[float]]) -> str:
 
 def expert_load_table(result: dict) -> list[str]:
     """Lines under the race table for runs with MoE layers: train MaxVio_batch (mean and 95th percentile over the
-    logged steps of the second half), held-out MaxVio_global of the final pass and the re-routed share, each as the
-    worst MoE layer's (per layer in the raw JSON)."""
+    logged steps of the second half), held-out MaxVio_global of the final pass and the re-routed share: the worst MoE
+    layer's, then every layer's, and the runs' last load heatmaps (copied beside the raw JSON by :func:`run`)."""
     runs = [r for r in result["runs"] if r.get("expert_load")]
     if not runs:
         return []
-    lines = ["", "Expert load of the same runs, the worst MoE layer's value (all layers in the raw JSON):", "",
+    lines = ["", "Expert load of the same runs, the worst MoE layer's value:", "",
              "| run | seed | train MaxVio_batch mean | p95 | held-out MaxVio_global | re-routed |",
              "|---|---|---|---|---|---|"]
     for r in runs:
         e = r["expert_load"]
         lines.append(f"| `{label(r)}` | {r['seed']} | {max(e['train_max_vio_mean']):.3f} | "
                      f"{max(e['train_max_vio_p95']):.3f} | {max(e['val_max_vio']):.3f} | {max(e['rerouted']):.4f} |")
+    n = max(len(r["expert_load"]["val_max_vio"]) for r in runs)
+    lines += ["", "Per MoE layer (in depth order):", "",
+              "| run | seed | measure | " + " | ".join(str(i) for i in range(n)) + " |", "|---|---|---|" + "---|" * n]
+    for r in runs:
+        for key, name in (("train_max_vio_mean", "train MaxVio_batch mean"), ("train_max_vio_p95", "p95"),
+                          ("val_max_vio", "held-out MaxVio_global"), ("rerouted", "re-routed")):
+            digits = 4 if key == "rerouted" else 3
+            values = [f"{v:.{digits}f}" for v in r["expert_load"][key]] + ["-"] * (n - len(r["expert_load"][key]))
+            lines.append(f"| `{label(r)}` | {r['seed']} | {name} | " + " | ".join(values) + " |")
+    pngs = [f"`{label(r)}` seed {r['seed']}: `{r['expert_load_png']}`" for r in runs if r.get("expert_load_png")]
+    if pngs:
+        lines += ["", "Layer x expert load at each run's last plotted step (heatmaps beside the raw JSON): "
+                  + "; ".join(pngs) + "."]
     return lines
 
 

@@ -59,7 +59,12 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         assert r["steps"] > 2 and math.isfinite(r["final_val_loss"])
         assert r["first_step_s"] is not None and r["first_step_s"] >= 0  # read from the summary (0.0 s can happen)
     text = table(result, "race.png")
-    assert text.count("| 7 | ") == 3 + 2 + 6  # runs, expert-load rows (the MoE runs), positions rows
+    # runs, the MoE runs' worst-layer rows and per-layer rows (4 measures each), positions rows
+    assert text.count("| 7 | ") == 3 + 2 + 2 * 4 + 6
+    assert "| `k3_b4` | 7 | re-routed | " in text and "| `plain` | 7 | p95 |" not in text
+    for r in (k3_run, variant):  # the fit's last load heatmap, beside the raw JSON and named in the table
+        assert (tmp_path / r["expert_load_png"]).stat().st_size > 1_000 and r["expert_load_png"] in text
+    assert "expert_load_png" not in plain_run
     assert "one seed of a run so far, so the seed-to-seed spread is not" in text
     assert "`k3_b4` = `k3` with `--data.batch_size=4 --model.capacity_factor=1.0`" in text
     second = {**result, "runs": result["runs"] + [{**r, "seed": 8} for r in result["runs"]]}
