@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import write_section  # noqa: E402
 from k3lit.kernels import aot  # noqa: E402
-from k3lit.kernels.launches import kda_launches  # noqa: E402
+from k3lit.kernels.launches import kda_launches, routing_launches  # noqa: E402
 
 # Hopper (sm_90) per-SM limits: 64K 32-bit registers, allocated per warp in 256-register units of
 # 8-register-per-thread steps; 228 KiB shared memory with 1 KiB reserved per block; 64 warps; 32 blocks.
@@ -108,22 +108,6 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
     return launches
 
 
-def _causal_capacity(m: int, n: int, k: int, seq_len: int) -> list[aot.Launch]:
-    from k3lit.kernels.routing import capacity as cc
-
-    with aot.record_launches(cc, "_free_choices", "_admit") as launches:
-        cc.causal_capacity(torch.empty(m, n, device=META), torch.empty(n, device=META), k, m, seq_len)
-    return launches
-
-
-def _sort_slots(m: int, n: int, k: int) -> list[aot.Launch]:
-    from k3lit.kernels.routing import sort
-
-    with aot.record_launches(sort, "_block_counts", "_place") as launches:
-        sort.sort_slots(torch.empty(m, k, dtype=torch.int64, device=META), n)
-    return launches
-
-
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at B4·T4096·H16·K128 (plain inputs, and with the gate
     and q/k L2 norm fused) and at ``small``'s B16·T2048·H12·K64 (fused, with two launch settings), fla's
@@ -132,7 +116,8 @@ def configs() -> dict[str, list[aot.Launch]]:
     the forward alternatives of ``plan.TUNING`` that change kernels;
     the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py) and its two-phase
     kernels for a block of 4 sublayers over 6 summaries at batch 8; the q|k|v short
-    convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements."""
+    convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements; an MoE
+    layer's routing at ``small``'s shape with causal capacity at cf 1.1 (4,506 tokens an expert)."""
     return {
         "KDA K=V=128": _kda(4, 4096, 16, 128, 128, False, False),
         "KDA K=V=128, gate + q/k L2 norm fused": _kda(4, 4096, 16, 128, 128, True, True),
@@ -171,8 +156,7 @@ def configs() -> dict[str, list[aot.Launch]]:
         "AttnRes two-phase N=6 S=4 D=1024": _attn_res_two_phase(6, 4, 8 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
         "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8256),
-        "causal capacity routing m=32768 n=16 k=2": _causal_capacity(16 * 2048, 16, 2, 2048),
-        "slot sort m=32768 n=16 k=2": _sort_slots(16 * 2048, 16, 2),
+        "MoE routing m=32768 n=16 k=2, causal capacity 4506": routing_launches(16 * 2048, 16, 2, 2048, 4506),
     }
 
 

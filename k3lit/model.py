@@ -27,6 +27,7 @@ from k3lit.nn.mlp import SwiGLU
 from k3lit.nn.moe import CAPACITY_MODES, MoE
 from k3lit.nn.norm import RMSNorm
 from k3lit.ops.kda import check_gate_bound, largest_safe_chunk
+from k3lit.ops.routing import capacity_tokens
 
 LAYER_TYPES = {"K": "KDA", "A": "softmax attention"}
 RESIDUALS = ("plain", "block_attnres", "full_attnres")
@@ -211,6 +212,13 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s channel mixer is an MoE."""
         return self.n_experts > 0 and layer >= self.first_dense_layers
+
+    def causal_capacity(self, tokens: int) -> int | None:
+        """Tokens each expert of an MoE layer takes from a forward of ``tokens`` tokens under causal capacity
+        routing (:func:`k3lit.ops.routing.capacity_tokens`); None when the model routes otherwise or has no MoE."""
+        if self.capacity_factor is None or self.capacity_mode != "causal" or not self.n_experts:
+            return None
+        return capacity_tokens(self.capacity_factor, tokens, self.top_k, self.n_experts)
 
 
 class Sublayer(nn.Module):

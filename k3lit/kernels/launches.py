@@ -19,7 +19,7 @@ from k3lit.kernels import aot, gpu
 from k3lit.kernels.gpu import H200_SMS  # the recordings' default
 from k3lit.kernels.kda_validate import largest_safe_chunk
 
-__all__ = ["attn_res_launches", "kda_launches", "recipes", "record", "short_conv_launches"]
+__all__ = ["attn_res_launches", "kda_launches", "recipes", "record", "routing_launches", "short_conv_launches"]
 
 META = torch.device("meta")
 KDA_FWD_KERNELS = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd_t", "_out_fwd")
@@ -29,6 +29,8 @@ KDA_BWD_KERNELS = ("_scan_bwd", "_scan_bwd_t", "_main_bwd")
 SHORT_CONV_KERNELS = ("_fwd", "_bwd_p", "_bwd_dx")
 ATTN_RES_TWO_PHASE_KERNELS = ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")
 ATTN_RES_MIX_KERNELS = ("_mix_fwd", "_mix_bwd")
+ROUTING_CAPACITY_KERNELS = ("_free_choices", "_admit")
+ROUTING_SORT_KERNELS = ("_block_counts", "_place")
 
 
 def kda_launches(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, g_min: float = -5.0,
@@ -128,8 +130,26 @@ def attn_res_launches(B: int, T: int, D: int, sublayers: int, block_size: int, d
     return phases + final
 
 
+def routing_launches(m: int, n: int, k: int, seq_len: int, capacity: int | None = None) -> list[aot.Launch]:
+    """The routing kernels of one MoE layer's forward (:mod:`k3lit.kernels.routing`) on ``m`` tokens of sequences of
+    ``seq_len``, ``n`` experts, top ``k``, as :class:`k3lit.nn.moe.MoE` launches them on CUDA: the causal capacity
+    admission when ``capacity`` (tokens an expert takes) is given, then the slots' counting sort by expert. The
+    router's scores and the selection bias are float32 (the layer routes in float32 under any autocast)."""
+    from k3lit.kernels.routing import capacity as admission
+    from k3lit.kernels.routing import sort
+
+    with aot.record_launches(admission, *ROUTING_CAPACITY_KERNELS) as admitted, \
+            aot.record_launches(sort, *ROUTING_SORT_KERNELS) as sorted_slots:
+        if capacity is not None:
+            scores = torch.empty(m, n, device=META, dtype=torch.float32)
+            admission.causal_capacity(scores, torch.empty(n, device=META, dtype=torch.float32), k, capacity, seq_len)
+        sort.sort_slots(torch.empty(m, k, device=META, dtype=torch.int64), n)
+    return admitted + sorted_slots
+
+
 _RECORDERS: dict[str, Callable[..., list[aot.Launch]]] = {
-    "kda": kda_launches, "short_conv": short_conv_launches, "attn_res": attn_res_launches}
+    "kda": kda_launches, "short_conv": short_conv_launches, "attn_res": attn_res_launches,
+    "routing": routing_launches}
 
 
 def recipes(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
@@ -137,7 +157,8 @@ def recipes(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
     """``(recorder, kwargs)`` pairs whose :func:`record` is every Triton launch of training ``model_config``
     (a :class:`k3lit.model.ModelConfig`) on ``[batch, seq_len]`` batches, eager validation included: the KDA op and
     the short convolution (unless the model has no KDA layer or runs it on torch: ``kda_backend`` torch or
-    reference) and the attention-residual stream (unless ``residual`` is plain). ``dtype``: the compute dtype
+    reference), the attention-residual stream (unless ``residual`` is plain) and the MoE layers' routing (causal
+    capacity admission, the slots' sort; unless the model has no MoE layer). ``dtype``: the compute dtype
     (bf16 under ``bf16-mixed`` and ``bf16-true``); ``param_dtype``: the weights' (float32 under ``*-mixed``, the
     compute dtype under ``*-true``); ``sm_count``: the GPU's."""
     c, out = model_config, []
@@ -154,11 +175,15 @@ def recipes(model_config: Any, batch: int, seq_len: int, dtype: torch.dtype,
         size = 1 if c.residual == "full_attnres" else c.attnres_block_size
         out.append(("attn_res", dict(B=batch, T=seq_len, D=c.dim, sublayers=2 * c.n_layers, block_size=size,
                                      dtype=dtype, param_dtype=param_dtype, eps=float(c.norm_eps))))
+    if any(c.is_moe(i) for i in range(c.n_layers)):
+        m = batch * seq_len
+        out.append(("routing", dict(m=m, n=c.n_experts, k=c.top_k, seq_len=seq_len, capacity=c.causal_capacity(m))))
     return out
 
 
 def record(recorder: str, kwargs: dict) -> list[aot.Launch]:
-    """The launches recorder ``recorder`` (``kda``, ``short_conv``, ``attn_res``) records with ``kwargs``.
+    """The launches recorder ``recorder`` (``kda``, ``short_conv``, ``attn_res``, ``routing``) records with
+    ``kwargs``.
 
     Raises:
         KeyError: an unknown recorder.

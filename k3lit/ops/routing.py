@@ -38,6 +38,7 @@ __all__ = [
     "expert_counts",
     "route",
     "capacity_route",
+    "capacity_tokens",
     "causal_capacity_route",
     "chooser_score_histogram",
     "capacity_threshold_from_histogram",
@@ -51,6 +52,12 @@ __all__ = [
     "max_violation",
     "router_entropy",
 ]
+
+
+def capacity_tokens(capacity_factor: float, m: int, k: int, n: int) -> int:
+    """Tokens an expert takes under a count limit: ``ceil(cf · m k / n)`` for ``m`` tokens routed to ``k`` of ``n``
+    experts, clamped to ``[1, m]`` (the capacity of :func:`capacity_route` and :func:`causal_capacity_route`)."""
+    return max(1, min(math.ceil(capacity_factor * m * k / n), m))
 
 
 def _check_scores_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, k_max: int) -> None:
@@ -324,7 +331,7 @@ def capacity_route(
         if capacity_factor is None:  # no count: every slot takes its next admitting candidate, in one pass
             final = torch.where(torch.arange(k, device=dev) < n_valid[:, None], ranked[:, :k], -1)
         else:
-            final = _admit_in_rounds(ranked, n_valid, k, max(1, min(math.ceil(capacity_factor * m * k / n), m)))
+            final = _admit_in_rounds(ranked, n_valid, k, capacity_tokens(capacity_factor, m, k, n))
         rerouted, dropped = _rerouted_dropped(final, top)
     return final, _kept_slot_weights(scores, final), rerouted, dropped
 
@@ -429,7 +436,7 @@ def causal_capacity_route(
     if seq_len < 1 or m % seq_len:
         raise ValueError(f"the {m} tokens are not whole sequences of seq_len={seq_len}")
     triton = use_triton(scores, backend)
-    cap = max(1, min(math.ceil(capacity_factor * m * k / n), m))
+    cap = capacity_tokens(capacity_factor, m, k, n)
     if triton:
         from k3lit.kernels.routing import causal_capacity_triton
 

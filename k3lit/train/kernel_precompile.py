@@ -18,15 +18,15 @@ __all__ = ["KernelPrecompile"]
 
 class KernelPrecompile(Callback):
     """At the start of ``fit`` on a CUDA device, start compiling the Triton kernels the model's training step and
-    eager validation will launch (:mod:`k3lit.kernels.precompile`: the KDA op, the short convolution and the
-    attention-residual reads at the data module's ``[batch_size, seq_len]``, the precision's dtypes and the GPU's SM
-    count) in worker processes, so that they compile side by side and while torch.compile traces the model, instead
-    of one after another at their first launches. On an already filled Triton cache the workers find every kernel
-    there and exit.
+    eager validation will launch (:mod:`k3lit.kernels.precompile`: the KDA op, the short convolution, the
+    attention-residual reads and the MoE layers' routing at the data module's ``[batch_size, seq_len]``, the
+    precision's dtypes and the GPU's SM count) in worker processes, so that they compile side by side and while
+    torch.compile traces the model, instead of one after another at their first launches. On an already filled
+    Triton cache the workers find every kernel there and exit.
 
-    Every local rank reads the same Triton cache folder (:func:`k3lit.kernels.precompile.pin_cache_dir`); one set
-    of workers per node (local rank zero). Nothing on CPUs, under ``TRITON_INTERPRET=1``, for models with neither
-    Triton KDA layers nor attention residuals, or with a data module that has no ``batch_size`` and ``seq_len``.
+    Every local rank reads the same Triton cache folder (:func:`k3lit.kernels.precompile.pin_cache_dir`); one set of
+    workers per node (local rank zero). Nothing on CPUs, under ``TRITON_INTERPRET=1``, for models with no Triton KDA
+    layer, attention residuals or MoE layer, or with a data module that has no ``batch_size`` and ``seq_len``.
     Workers still compiling when ``fit`` ends, or fails, are stopped. A failure to plan or start them, or a kernel a
     worker could not compile, is a warning, never an error: those kernels compile at their first launches, as
     without this callback. Off with ``workers=0``, e.g. ``--trainer.callbacks+=k3lit.train.kernel_precompile.

@@ -79,6 +79,63 @@ def test_recorded_launches_are_the_models(monkeypatch, residual, block, checkpoi
     assert {x[0] for x in real} >= expected
 
 
+@contextlib.contextmanager
+def _record_and_run(module, *names: str):
+    """Within the block, ``module.<name>[grid](...)`` records a :class:`aot.Launch` and runs the kernel too (the MoE
+    reads what its routing kernels write)."""
+    recorded, saved = [], {n: getattr(module, n) for n in names}
+
+    class Both:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                recorded.append(aot.Launch(self.name, self.kernel, args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    try:
+        for n, k in saved.items():
+            setattr(module, n, Both(n, k))
+        yield recorded
+    finally:
+        for n, k in saved.items():
+            setattr(module, n, k)
+
+
+@pytest.mark.parametrize("capacity", [{}, dict(capacity_factor=1.1, capacity_mode="causal"),
+                                      dict(capacity_factor=1.25, capacity_mode="quantile")])
+def test_recorded_routing_launches_are_the_moe_layers(monkeypatch, capacity):
+    """An MoE model's real routing launches (its CUDA path forced on CPU tensors, under the interpreter; a training
+    step and a no-grad forward under bf16 autocast) equal what :func:`launches.recipes` records for its
+    configuration: the slots' sort always, the causal admission with causal capacity only (the quantile capacity
+    routes with torch operations)."""
+    import k3lit.ops.permute as permute
+    import k3lit.ops.routing as routing
+    from k3lit.kernels.routing import capacity as admission
+    from k3lit.kernels.routing import sort
+
+    for module in (permute, routing):
+        monkeypatch.setattr(module, "use_triton", lambda x, backend: backend != "torch")
+    B, T = 2, 48
+    c = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16, residual="plain",
+                    n_experts=4, top_k=2, expert_dim=16, first_dense_layers=1, **capacity)
+    model, idx = K3LM(c), torch.randint(0, 64, (B, T))
+    with _record_and_run(admission, *launches.ROUTING_CAPACITY_KERNELS) as admitted, \
+            _record_and_run(sort, *launches.ROUTING_SORT_KERNELS) as sorted_slots:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx)[0].float().sum().backward()
+            with torch.no_grad():
+                model(idx)
+    planned = [x for recorder, kwargs in launches.recipes(c, B, T, torch.bfloat16)
+               for x in launches.record(recorder, kwargs)]
+    assert _describe(admitted + sorted_slots) == _describe(planned)
+    causal = capacity.get("capacity_mode") == "causal"
+    assert {x.name for x in planned} == {"_block_counts", "_place"} | ({"_free_choices", "_admit"} if causal else set())
+    assert {x[0] for x in launches.recipes(c, B, T, torch.bfloat16)} == {"routing"}
+
+
 def test_the_gpus_sm_count_sets_the_forward_scans_value_block():
     """One sequence of 8 heads of width 64: the forward's plain scan takes 16-wide value blocks where 32 programs
     of them leave SMs idle (132 SMs), 32-wide ones on a GPU with fewer SMs; the recording follows the count given,
@@ -116,10 +173,12 @@ from k3lit.kernels import aot, precompile
 from k3lit.model import ModelConfig
 
 cache = Path(sys.argv[1])
-c = ModelConfig(vocab_size=64, dim=64, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=32)
+c = ModelConfig(vocab_size=64, dim=64, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=32, n_experts=4,
+                expert_dim=32)
 items = precompile.plan(c, 2, 128, torch.bfloat16)
 names = [i.name for i in items]
-assert {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx", "_inter_fwd", "_merge_bwd", "_mix_fwd"} <= set(names), names
+assert {"_prep_fwd", "_main_bwd", "_fwd", "_bwd_dx", "_inter_fwd", "_merge_bwd", "_mix_fwd", "_block_counts",
+        "_place"} <= set(names), names
 job = precompile.start(items, aot.H200, workers=2)
 assert job.workers == 2
 job.wait()

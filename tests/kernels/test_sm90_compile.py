@@ -52,8 +52,8 @@ def test_all_kernels_compile_for_sm90(tmp_path):
                  ("short conv C=3072", "_fwd"), ("short conv C=3072", "_bwd_p"),
                  ("short conv C=3072", "_bwd_dx")}
     expected |= {("short conv, B·T·C >= 2^31 (int64 offsets)", n) for n in ("_fwd", "_bwd_p", "_bwd_dx")}
-    expected |= {("causal capacity routing m=32768 n=16 k=2", n) for n in ("_free_choices", "_admit")}
-    expected |= {("slot sort m=32768 n=16 k=2", n) for n in ("_block_counts", "_place")}
+    expected |= {("MoE routing m=32768 n=16 k=2, causal capacity 4506", n)
+                 for n in ("_free_choices", "_admit", "_block_counts", "_place")}
     expected |= {("AttnRes two-phase N=6 S=4 D=1024", n)
                  for n in ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")}
     assert compiled == expected
