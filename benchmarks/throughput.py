@@ -196,10 +196,30 @@ def host_ms_per_step(step, batches: list[torch.Tensor], n: int, device: str) -> 
     return statistics.median(times)
 
 
+def step_times_ms(step, batches: list[torch.Tensor], n: int, device: str) -> list[float]:
+    """Milliseconds of each of ``n`` back-to-back steps (on ``batches`` in turn) as the device runs them: on CUDA the
+    time between events recorded on the current stream before each step and after the last (the device's timeline,
+    its waits for the host included), elsewhere the host clock around each step."""
+    if device == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        for i in range(n):
+            marks[i].record()
+            step(batches[i % len(batches)])
+        marks[n].record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    clock = [time.perf_counter()]
+    for i in range(n):
+        step(batches[i % len(batches)])
+        clock.append(time.perf_counter())
+    return [1e3 * (b - a) for a, b in zip(clock, clock[1:])]
+
+
 def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, device: str, compile_: str,
           optim: str = "adamw") -> dict:
     """Time ``steps`` optimizer steps of model ``c`` (a ModelConfig, or ``"litgpt"``) after ``warmup`` steps on one
-    fixed batch (whose loss must fall)."""
+    fixed batch (whose loss must fall): the median step of :func:`step_times_ms` (every step's time in
+    ``step_ms``), so that a slow step (a clock dip, a collection) moves no row."""
     torch._dynamo.reset()  # compiled code of earlier rows shares code objects (and recompile limits) with this one
     if c == "litgpt":
         model, vocab, flops_per_token = build_litgpt(device, compile_, seq)
@@ -219,13 +239,8 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
     batches = [torch.randint(0, vocab, (batch, seq + 1), device=device) for _ in range(4)]
-    t0 = time.perf_counter()
-    for i in range(steps):
-        last = step(batches[i % 4])
-    last.item()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    times = step_times_ms(step, batches, steps, device)
+    seconds = statistics.median(times) / 1e3
     host_ms = host_ms_per_step(step, batches, min(steps, 5), device)
     flops = flops_per_token * batch * seq
     peak = peak_flops(torch.device(device), torch.bfloat16) if device == "cuda" else None
@@ -233,11 +248,12 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
         "params_M": n_params / 1e6,
         "active_M": active,
         "gflop_per_token": flops_per_token / 1e9,
-        "ms_per_step": 1e3 * elapsed / steps,
+        "ms_per_step": 1e3 * seconds,
+        "step_ms": times,
         "host_ms_per_step": host_ms,
-        "tokens_per_s": batch * seq * steps / elapsed,
-        "tflops": flops * steps / elapsed / 1e12,
-        "mfu": flops * steps / elapsed / peak if peak else None,
+        "tokens_per_s": batch * seq / seconds,
+        "tflops": flops / seconds / 1e12,
+        "mfu": flops / seconds / peak if peak else None,
         "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "warmup_s": first_call_s,
         "loss_first_last": [losses[0], losses[-1]],
@@ -293,7 +309,8 @@ def table(result: dict) -> str:
         "with float32 weights (= `precision: bf16-mixed`), "
         f"{'Muon with the fused AdamW' if result.get('optim') == 'muon' else 'fused AdamW'}, clipping, balancer "
         "update, synthetic tokens, "
-        f"{result['steps']} timed steps after {result['warmup']} warm-up steps. compile: `none` eager, `sublayers` "
+        f"the median of {result['steps']} timed steps (CUDA events between steps) after {result['warmup']} warm-up "
+        "steps. compile: `none` eager, `sublayers` "
         "`torch.compile` per sublayer (`k3lit fit`'s default on one GPU), `sublayer_graphs` the same with CUDA "
         "graphs (`--compile_mode=reduce-overhead`), `model` the whole model as one region (`--compile_scope=model`), "
         "`cudagraphs` the whole model with CUDA graphs. MFU = "

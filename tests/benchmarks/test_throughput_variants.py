@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.throughput import host_ms_per_step, variant
+from benchmarks.throughput import host_ms_per_step, step_times_ms, variant
 from k3lit.model import ModelConfig
 
 BASE = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16, n_experts=4, top_k=2, expert_dim=16)
@@ -57,3 +57,17 @@ def test_host_time_is_the_median_of_single_steps_each_on_its_own_batch():
     batches = [torch.tensor(i) for i in range(3)]
     assert host_ms_per_step(step, batches, 5, "cpu") >= 20.0
     assert [int(b) for b in seen] == [0, 1, 2, 0, 1]
+
+
+def test_step_times_are_each_steps_own_on_the_batches_in_turn():
+    """One time per step, in order, each at least the step's own sleep (a bound no load can break): the slow third
+    step shows in its own sample only, so the median the rows report is a fast step's."""
+    seen = []
+
+    def step(batch):
+        seen.append(int(batch))
+        time.sleep(0.3 if len(seen) == 3 else 0.02)
+
+    times = step_times_ms(step, [torch.tensor(i) for i in range(4)], 5, "cpu")
+    assert [int(b) for b in seen] == [0, 1, 2, 3, 0] and len(times) == 5
+    assert times[2] >= 300.0 and all(x >= 20.0 for x in times)
