@@ -433,6 +433,12 @@ def test_strong_bound_small_chunk(seed):
     assert_errors(run_both(make_inputs(1, 37, 1, 16, 16, g_min=-10.0, gate="min"), g_min=-10.0), TOL_F32)
 
 
+@pytest.mark.parametrize("gate", ["min", "random"])
+def test_weak_bound_large_chunk(seed, gate):
+    """g_min = -2.5 allows C = 64 (exponent bound 2.5 · 32 = 80): two full chunks and a partial one."""
+    assert_errors(run_both(make_inputs(1, 150, 2, 24, 16, g_min=-2.5, gate=gate), g_min=-2.5), TOL_F32)
+
+
 def test_near_collinear_keys(seed):
     assert_errors(run_both(make_inputs(1, 40, 1, 16, 16, collinear=True)), 1e-4)
 
@@ -662,6 +668,7 @@ def test_fused_varlen_and_strong_bound(seed):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64, device=DEV)
     assert_errors(run_fused(1, sum(lens), 1, 16, 16, cu_seqlens=cu, N=len(lens)), FUSED_TOL)
     assert_errors(run_fused(1, 37, 1, 16, 16, g_min=-10.0), FUSED_TOL)  # C = 16
+    assert_errors(run_fused(1, 150, 1, 16, 16, g_min=-2.5), FUSED_TOL)  # C = 64
 
 
 def test_fused_l2norm_clamped_row(seed):
