@@ -261,16 +261,32 @@ def bench(c: ModelConfig | str, batch: int, seq: int, warmup: int, steps: int, d
     }
 
 
-def bench_lightning(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, out_dir: str) -> dict:
-    """The same model through ``lightning.Trainer`` + K3LitModule (bf16-mixed) with K3ThroughputMonitor: the
-    tokens/s and MFU that training runs log, read back from the CSV log of the last step."""
+LIGHTNING_COMPILE = {  # a bare row's compile setting as K3LitModule's (compile, compile_mode, compile_scope)
+    "none": (False, None, "sublayers"), "sublayers": (True, None, "sublayers"),
+    "sublayer_graphs": (True, "reduce-overhead", "sublayers"), "model": (True, None, "model"),
+    "cudagraphs": (True, "reduce-overhead", "model")}
+
+
+def lightning_module(c: ModelConfig, compile_: str, optim: str):
+    """K3LitModule of ``c`` as ``k3lit fit`` builds it for a bare row's compile setting and optimizer."""
+    from k3lit.train.module import K3LitModule
+
+    compile_model, mode, scope = LIGHTNING_COMPILE[compile_]
+    return K3LitModule(c, OptimConfig(name=optim, lr=3e-4), compile=compile_model, compile_mode=mode,
+                       compile_scope=scope)
+
+
+def bench_lightning(c: ModelConfig, batch: int, seq: int, warmup: int, steps: int, out_dir: str,
+                    compile_: str = "none", optim: str = "adamw") -> dict:
+    """The same model through ``lightning.Trainer`` + K3LitModule (bf16-mixed, clipping at 1.0) as ``k3lit fit``
+    runs it, with the bare rows' compile setting ``compile_`` and optimizer ``optim``, and K3ThroughputMonitor: the
+    tokens/s and MFU that training runs log over the last ``steps`` steps, read back from the CSV log."""
     import csv
 
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
     from k3lit.train.callbacks import K3ThroughputMonitor
-    from k3lit.train.module import K3LitModule
 
     data = torch.randint(0, c.vocab_size, ((warmup + steps) * batch, seq + 1))
     loader = torch.utils.data.DataLoader(data, batch_size=batch)
@@ -280,10 +296,11 @@ def bench_lightning(c: ModelConfig, batch: int, seq: int, warmup: int, steps: in
                         logger=CSVLogger(out_dir, name="", version=""), log_every_n_steps=1,
                         callbacks=[K3ThroughputMonitor(window_size=steps)], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
-    trainer.fit(K3LitModule(c), loader)
+    torch._dynamo.reset()  # as bench(): no compiled code of the bare rows
+    trainer.fit(lightning_module(c, compile_, optim), loader)
     with open(Path(out_dir) / "metrics.csv") as f:
         last = [r for r in csv.DictReader(f) if r.get("train/device/items_per_sec")][-1]
-    return {"tokens_per_s": float(last["train/device/items_per_sec"]),
+    return {"compile": compile_, "optim": optim, "tokens_per_s": float(last["train/device/items_per_sec"]),
             "mfu": float(last["train/device/mfu"]) if last.get("train/device/mfu") else None,
             "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
@@ -329,9 +346,15 @@ def table(result: dict) -> str:
     if result.get("lightning"):
         r = result["lightning"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
-        lines += ["", f"The recipe's model trained through `lightning.Trainer` (K3LitModule, `precision=bf16-mixed`, "
-                      f"same batch, random tokens), as logged by `K3ThroughputMonitor` over the last "
-                      f"{result['steps']} steps: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}."]
+        mode = r.get("compile", "none")
+        bare = next((by_mode.get(mode) for by_mode in result["rows"].values()), None)
+        against = (f"; the bare row ({mode}) {bare['tokens_per_s']:,.0f} tokens/s, so the Trainer runs at "
+                   f"{r['tokens_per_s'] / bare['tokens_per_s']:.2f} of it" if bare and bare.get("tokens_per_s")
+                   else "")
+        lines += ["", f"The recipe's model trained through `lightning.Trainer` (K3LitModule as `k3lit fit` builds it, "
+                      f"`precision=bf16-mixed`, compile `{mode}`, {r.get('optim', 'adamw')}, same batch, random "
+                      f"tokens), as logged by `K3ThroughputMonitor` over the last {result['steps']} steps: "
+                      f"{r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}{against}."]
     host = [f"{name.split(' (')[0]} {m}: {r['host_ms_per_step']:.1f} of {r['ms_per_step']:.1f} ms"
             for name, by_mode in result["rows"].items() for m, r in by_mode.items()
             if r.get("host_ms_per_step") is not None and r.get("correct")]
@@ -365,7 +388,8 @@ def main() -> None:
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from_json", help="only write RESULTS.md's Throughput section from this file")
     p.add_argument("--note", default="", help="a sentence to print under the table")
-    p.add_argument("--lightning", help="also train the recipe model through lightning.Trainer, logs in this folder")
+    p.add_argument("--lightning", help="also train the recipe model through lightning.Trainer (the first --compile "
+                   "setting, --optim), logs in this folder")
     a = p.parse_args()
     if a.from_json:
         write_section("Throughput", table(json.loads(Path(a.from_json).read_text())))
@@ -403,7 +427,8 @@ def main() -> None:
             if a.device == "cuda":
                 torch.cuda.empty_cache()
     if a.lightning:
-        result["lightning"] = bench_lightning(cfg, batch, seq, a.warmup, a.steps, a.lightning)
+        result["lightning"] = bench_lightning(cfg, batch, seq, a.warmup, a.steps, a.lightning,
+                                              result["compile"][0], a.optim)
         print("lightning.Trainer + K3ThroughputMonitor:", json.dumps(result["lightning"]), flush=True)
     print(table(result))
     if a.json:

@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py's ``--variant`` rows: the recipe's model with other ModelConfig fields."""
+"""benchmarks/throughput.py on the CPU: ``--variant`` rows, step and host times, the ``--lightning`` row."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.throughput import host_ms_per_step, step_times_ms, variant
+from benchmarks.throughput import bench_lightning, host_ms_per_step, lightning_module, step_times_ms, table, variant
 from k3lit.model import ModelConfig
 
 BASE = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16, n_experts=4, top_k=2, expert_dim=16)
@@ -71,3 +71,27 @@ def test_step_times_are_each_steps_own_on_the_batches_in_turn():
     times = step_times_ms(step, [torch.tensor(i) for i in range(4)], 5, "cpu")
     assert [int(b) for b in seen] == [0, 1, 2, 3, 0] and len(times) == 5
     assert times[2] >= 300.0 and all(x >= 20.0 for x in times)
+
+
+@pytest.mark.parametrize("setting,expected", [
+    ("none", (False, None, "sublayers")), ("sublayer_graphs", (True, "reduce-overhead", "sublayers")),
+    ("cudagraphs", (True, "reduce-overhead", "model"))])
+def test_the_trainer_row_builds_the_bare_rows_setting(setting, expected):
+    m = lightning_module(BASE, setting, "muon")
+    assert (m.compile_model, m.compile_mode, m.compile_scope) == expected and m.optim_config.name == "muon"
+
+
+def test_the_trainer_row_trains_and_is_set_against_the_bare_row(tmp_path):
+    """``--lightning`` on the CPU: the model trains through ``lightning.Trainer`` with the bare rows' optimizer
+    (Muon here); the section sets its logged tokens/s against the bare row of the same compile setting."""
+    r = bench_lightning(BASE, 2, 16, 1, 2, str(tmp_path), "none", "muon")
+    assert r["compile"] == "none" and r["optim"] == "muon" and r["tokens_per_s"] > 0
+    assert (tmp_path / "metrics.csv").is_file()
+    bare = {"params_M": 1.0, "active_M": 1.0, "gflop_per_token": 0.1, "ms_per_step": 2.0, "tokens_per_s": 400.0,
+            "mfu": None, "correct": True}
+    result = {"env": {"date": "d", "device": "cpu", "torch": "t", "triton": "t"}, "compile": ["none"],
+              "batch": 2, "seq": 16, "recipe": "r.yaml", "warmup": 1, "steps": 2,
+              "rows": {"k3lit `r`": {"none": bare}}, "lightning": {**r, "tokens_per_s": 300.0}}
+    text = table(result)
+    assert "compile `none`, muon" in text and "the bare row (none) 400 tokens/s" in text
+    assert "runs at 0.75 of it" in text
