@@ -319,6 +319,9 @@ def _cells(r: dict | None) -> str:
 def table(result: dict) -> str:
     """RESULTS.md's Throughput section: one row per model, ms/step and MFU per compile setting."""
     env, modes = result["env"], result["compile"]
+    median = any("step_ms" in r for by_mode in result["rows"].values() for r in by_mode.values())
+    timing = (f"the median of {result['steps']} timed steps (CUDA events between steps)" if median  # since 2026-12-05
+              else f"{result['steps']} timed steps (their mean)")
     lines = [
         f"Written by `benchmarks/throughput.py`. Date {env['date']}, {env['device']}, torch {env['torch']}, "
         f"triton {env['triton']}; `{result.get('command', '')}`. Every row in one process: batch {result['batch']} x "
@@ -326,8 +329,7 @@ def table(result: dict) -> str:
         "with float32 weights (= `precision: bf16-mixed`), "
         f"{'Muon with the fused AdamW' if result.get('optim') == 'muon' else 'fused AdamW'}, clipping, balancer "
         "update, synthetic tokens, "
-        f"the median of {result['steps']} timed steps (CUDA events between steps) after {result['warmup']} warm-up "
-        "steps. compile: `none` eager, `sublayers` "
+        f"{timing} after {result['warmup']} warm-up steps. compile: `none` eager, `sublayers` "
         "`torch.compile` per sublayer (`k3lit fit`'s default on one GPU), `sublayer_graphs` the same with CUDA "
         "graphs (`--compile_mode=reduce-overhead`), `model` the whole model as one region (`--compile_scope=model`), "
         "`cudagraphs` the whole model with CUDA graphs. MFU = "

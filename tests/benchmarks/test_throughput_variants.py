@@ -95,3 +95,6 @@ def test_the_trainer_row_trains_and_is_set_against_the_bare_row(tmp_path):
     text = table(result)
     assert "compile `none`, muon" in text and "the bare row (none) 400 tokens/s" in text
     assert "runs at 0.75 of it" in text
+    assert "2 timed steps (their mean)" in text  # a stored run from before the per-step times
+    result["rows"]["k3lit `r`"]["none"]["step_ms"] = [2.0, 2.0]
+    assert "the median of 2 timed steps (CUDA events between steps)" in table(result)
