@@ -302,13 +302,46 @@ def table(result: dict, png: str) -> str:
                       + "; ".join(variants) + "."]
     if len(by_label) >= 2:
         lines += ["", verdict(by_label)]
-    return "\n".join(lines + expert_load_table(result) + positions_table(result))
+    return "\n".join(lines + per_step(result["runs"]) + expert_load_table(result) + positions_table(result))
 
 
 def title(result: dict) -> str:
     """RESULTS.md's section title: one section per device and, for ``--seq_len`` races, per sequence length."""
     length = f", {result['seq_len']:,}-token sequences" if result.get("seq_len") else ""
     return f"Race at equal wall-clock{length} ({result['env']['device'].removeprefix('NVIDIA ')})"
+
+
+def steps_to(points: list[tuple[float, int, float]], bpb: float) -> float | None:
+    """The step at which a curve (:func:`curve`) first reaches ``bpb``, linear between its validations; None if it
+    never does."""
+    for (_, s0, b0), (_, s1, b1) in zip(points, points[1:]):
+        if b1 <= bpb < b0:
+            return s0 + (s1 - s0) * (b0 - bpb) / (b0 - b1)
+    return None
+
+
+def per_step(runs: list[dict]) -> list[str]:
+    """Lines under the race table: where another label's run of the same seed reached each run's last periodic bpb
+    (:func:`steps_to`), and that step over the run's own: the step-time ratio at which the two would tie at the
+    budget. Empty when no run reached another's."""
+    rows = []
+    for r in runs:
+        if not r.get("curve"):
+            continue
+        _, step, target = r["curve"][-1]
+        for o in runs:
+            at = (None if label(o) == label(r) or o["seed"] != r["seed"] or not o.get("curve") or step < 1
+                  else steps_to(o["curve"], target))
+            if at is not None:
+                rows.append(f"| `{label(r)}` | {r['seed']} | {target:.4f} | {step:,} | `{label(o)}` | {at:,.0f} | "
+                            f"{at / step:.2f} |")
+    if not rows:
+        return []
+    return ["", "Per step: where another run of the same seed reached a run's last periodic bpb (linear between its "
+                "validations). At this budget a run needing k times fewer steps ties with a step k times the other's; "
+                "the curves between their ends compare other points of two cosine schedules.", "",
+            "| run | seed | last periodic bpb | at step | reached by | at step | steps / run's steps |",
+            "|---|---|---|---|---|---|---|", *rows]
 
 
 def verdict(by_label: dict[str, list[float]]) -> str:

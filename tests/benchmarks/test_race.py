@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.race import continued, data_args, main, parser, plot, race, table, title
+from benchmarks.race import continued, data_args, main, parser, per_step, plot, race, steps_to, table, title
 from k3lit.data.prepare import prepare_corpus
 
 MODEL = dict(dim=32, n_layers=2, n_heads=2, head_dim=16, mlp_hidden=64, tie_embeddings=True)
@@ -213,3 +213,17 @@ def test_from_json_joins_the_runs_of_several_calls(tmp_path, monkeypatch):
     b.write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="another race"):
         main()
+
+
+def test_steps_to_a_bpb_interpolate_between_validations():
+    """A curve reaches 0.7 halfway between its validations at steps 100 (0.8) and 200 (0.6); never 0.5. Per step
+    the run whose last bpb another reached later is set against it, runs of other seeds are not."""
+    fast = [(10.0, 50, 0.9), (20.0, 100, 0.7)]
+    slow = [(10.0, 100, 0.8), (20.0, 200, 0.6), (30.0, 300, 0.55)]
+    assert steps_to(slow, 0.7) == pytest.approx(150.0) and steps_to(slow, 0.5) is None
+    runs = [{"label": "k3", "seed": 1, "curve": fast}, {"label": "plain", "seed": 1, "curve": slow},
+            {"label": "plain", "seed": 2, "curve": [(1.0, 10, 0.1), (2.0, 20, 0.05)]}]
+    lines = per_step(runs)
+    # only plain reaching k3's 0.70: k3 never reached plain's 0.55, and seed 2 has no other label's run
+    assert [x for x in lines if x.startswith("| `")] == ["| `k3` | 1 | 0.7000 | 100 | `plain` | 150 | 1.50 |"]
+    assert per_step(runs[1:]) == []
