@@ -59,8 +59,10 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         assert r["steps"] > 2 and math.isfinite(r["final_val_loss"])
         assert r["first_step_s"] is not None and r["first_step_s"] >= 0  # read from the summary (0.0 s can happen)
     text = table(result, "race.png")
-    # runs, the MoE runs' worst-layer rows and per-layer rows (4 measures each), positions rows
-    assert text.count("| 7 | ") == 3 + 2 + 2 * 4 + 6
+    # runs, the MoE runs' worst-layer rows and per-layer rows (4 measures each), positions rows, and the per-step
+    # rows (which runs' curves crossed is the data's: test_steps_to_a_bpb_interpolate_between_validations)
+    crossed = sum(x.startswith("| `") for x in per_step(result["runs"]))
+    assert text.count("| 7 | ") == 3 + 2 + 2 * 4 + 6 + crossed
     assert "| `k3_b4` | 7 | re-routed | " in text and "| `plain` | 7 | p95 |" not in text
     for r in (k3_run, variant):  # the fit's last load heatmap, beside the raw JSON and named in the table
         assert (tmp_path / r["expert_load_png"]).stat().st_size > 1_000 and r["expert_load_png"] in text
