@@ -313,7 +313,7 @@ def title(result: dict) -> str:
 
 def steps_to(points: list[tuple[float, int, float]], bpb: float) -> float | None:
     """The step at which a curve (:func:`curve`) first reaches ``bpb``, linear between its validations; None if it
-    never does."""
+    never does, or already had at its first validation (no step to interpolate from)."""
     for (_, s0, b0), (_, s1, b1) in zip(points, points[1:]):
         if b1 <= bpb < b0:
             return s0 + (s1 - s0) * (b0 - bpb) / (b0 - b1)
