@@ -57,16 +57,21 @@ class Resources:
 
 
 class _Recorder:
-    def __init__(self, name: str, kernel: object, sink: list[Launch]) -> None:
-        self.name, self.kernel, self.sink = name, kernel, sink
+    def __init__(self, name: str, kernel: object, sink: list[Launch], run: bool) -> None:
+        self.name, self.kernel, self.sink, self.run = name, kernel, sink, run
 
     def __getitem__(self, grid: object):
-        return lambda *args, **kwargs: self.sink.append(Launch(self.name, self.kernel, args, kwargs))
+        def launch(*args, **kwargs):
+            self.sink.append(Launch(self.name, self.kernel, args, kwargs))
+            if self.run:
+                self.kernel[grid](*args, **kwargs)
+        return launch
 
 
 @contextmanager
-def record_launches(module: ModuleType, *names: str) -> Iterator[list[Launch]]:
-    """Within the block, ``module.<name>[grid](...)`` records a :class:`Launch` instead of running the kernel.
+def record_launches(module: ModuleType, *names: str, run: bool = False) -> Iterator[list[Launch]]:
+    """Within the block, ``module.<name>[grid](...)`` records a :class:`Launch` instead of running the kernel (and
+    runs it too with ``run``, for callers that read what the kernel writes).
 
     Raises:
         AttributeError: a name that is not an attribute of ``module``.
@@ -75,7 +80,7 @@ def record_launches(module: ModuleType, *names: str) -> Iterator[list[Launch]]:
     saved = {n: getattr(module, n) for n in names}
     try:
         for n, k in saved.items():
-            setattr(module, n, _Recorder(n, k, launches))
+            setattr(module, n, _Recorder(n, k, launches, run))
         yield launches
     finally:
         for n, k in saved.items():

@@ -79,31 +79,6 @@ def test_recorded_launches_are_the_models(monkeypatch, residual, block, checkpoi
     assert {x[0] for x in real} >= expected
 
 
-@contextlib.contextmanager
-def _record_and_run(module, *names: str):
-    """Within the block, ``module.<name>[grid](...)`` records a :class:`aot.Launch` and runs the kernel too (the MoE
-    reads what its routing kernels write)."""
-    recorded, saved = [], {n: getattr(module, n) for n in names}
-
-    class Both:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                recorded.append(aot.Launch(self.name, self.kernel, args, kwargs))
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    try:
-        for n, k in saved.items():
-            setattr(module, n, Both(n, k))
-        yield recorded
-    finally:
-        for n, k in saved.items():
-            setattr(module, n, k)
-
-
 @pytest.mark.parametrize("capacity", [{}, dict(capacity_factor=1.1, capacity_mode="causal"),
                                       dict(capacity_factor=1.25, capacity_mode="quantile")])
 def test_recorded_routing_launches_are_the_moe_layers(monkeypatch, capacity):
@@ -122,8 +97,8 @@ def test_recorded_routing_launches_are_the_moe_layers(monkeypatch, capacity):
     c = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="A", n_heads=2, head_dim=16, residual="plain",
                     n_experts=4, top_k=2, expert_dim=16, first_dense_layers=1, **capacity)
     model, idx = K3LM(c), torch.randint(0, 64, (B, T))
-    with _record_and_run(admission, *launches.ROUTING_CAPACITY_KERNELS) as admitted, \
-            _record_and_run(sort, *launches.ROUTING_SORT_KERNELS) as sorted_slots:
+    with aot.record_launches(admission, *launches.ROUTING_CAPACITY_KERNELS, run=True) as admitted, \
+            aot.record_launches(sort, *launches.ROUTING_SORT_KERNELS, run=True) as sorted_slots:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(idx)[0].float().sum().backward()
             with torch.no_grad():
