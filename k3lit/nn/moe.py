@@ -342,15 +342,14 @@ class MoE(nn.Module):
             return self.dispatcher(h, expert_idx, self.experts, self.n_experts)
         m, k = expert_idx.shape
         order, inverse, ends = sort_slots(expert_idx, self.n_experts)  # dropped slots last, into no group
-        if self.capacity_factor is None:  # every slot kept: the sort is a permutation, undone by gathers
-            ys = self.experts(dispatch_tokens(h, order, inverse, k), ends)  # [m k, D] by expert
-            return undo_sort(ys, order, inverse).view(m, k, -1)
+        xs = dispatch_tokens(h, order, inverse, k)  # [m k, D] by expert; the sort is undone by gathers
+        if self.capacity_factor is None:  # every slot kept
+            return undo_sort(self.experts(xs, ends), order, inverse).view(m, k, -1)
         # all m k slots keep their rows (no data-dependent shape, no host sync); the dropped ones, past the last
         # group, are zeroed on the way in and out, so neither they nor their gradients reach h or the output
         kept = (torch.arange(m * k, device=order.device) < ends[-1])[:, None]
-        ys = self.experts(torch.where(kept, h[order // k], 0), ends)
-        ys = torch.where(kept, ys, 0)
-        return torch.empty_like(ys).index_copy(0, order, ys).view(m, k, -1)
+        ys = torch.where(kept, self.experts(torch.where(kept, xs, 0), ends), 0)
+        return undo_sort(ys, order, inverse).view(m, k, -1)
 
     # ----------------------------------------------------------------------------------------- balancer
     def _record(
