@@ -38,11 +38,11 @@ def _slot_ranks(key, cols, K: tl.constexpr):
 
 
 @triton.jit
-def _load_key(scores_ptr, bias, rank, lanes_ok, cols, col_ok, m, n, n_seq, seq_len):
+def _load_key(scores_ptr, bias, rank, cols, col_ok, m, n, n_seq, seq_len):
     """``(key [BLOCK, NP], row [BLOCK] int64)``: ``s + b`` of the tokens at priority ranks ``rank`` (position ``rank //
     n_seq`` of sequence ``rank % n_seq``), -inf in padded columns, past the last token and for a NaN score (which
     no expert then takes: on the GPU a NaN would make the arg-max pick a padded column)."""
-    valid = lanes_ok & (rank < m)
+    valid = rank < m
     row = ((rank % n_seq) * seq_len + rank // n_seq).to(tl.int64)
     s = tl.load(scores_ptr + row[:, None] * n + cols[None, :], mask=valid[:, None] & col_ok[None, :],
                 other=float("-inf"))
@@ -66,7 +66,7 @@ def _free_choices(scores_ptr, bias_ptr, out_ptr, counts_ptr, dropped_ptr, m, n, 
     col_ok = cols < n
     rank = tl.program_id(0) * BLOCK + lanes
     bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
-    key, row = _load_key(scores_ptr, bias, rank, lanes >= 0, cols, col_ok, m, n, n_seq, seq_len)
+    key, row = _load_key(scores_ptr, bias, rank, cols, col_ok, m, n, n_seq, seq_len)
     ranks = _slot_ranks(key, cols, K)
     _store_slots(out_ptr, row, ranks, cols, rank < m, K)
     taken = (ranks > 0).to(tl.int32)
@@ -98,7 +98,7 @@ def _admit(scores_ptr, bias_ptr, out_ptr, counts_ptr, dropped_ptr, stats_ptr, m,
     for start in range(block * BLOCK, m, BLOCK):
         rank = start + lanes
         valid = rank < m
-        key, row = _load_key(scores_ptr, bias, rank, lanes >= 0, cols, col_ok, m, n, n_seq, seq_len)
+        key, row = _load_key(scores_ptr, bias, rank, cols, col_ok, m, n, n_seq, seq_len)
         top = _slot_ranks(key, cols, K) > 0  # the first k candidates, for the re-routed count
         done = start
         while done < start + BLOCK:
