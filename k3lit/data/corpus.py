@@ -60,7 +60,7 @@ def _folder_files(root: Path) -> list[CorpusFile]:
     return files
 
 
-def resolve_corpus(corpus: str | Sequence[str]) -> list[CorpusFile]:
+def resolve_corpus(corpus: str | Sequence[str], memo_dir: str | os.PathLike | None = None) -> list[CorpusFile]:
     """Expand a corpus spec into its files, sorted by key, duplicates removed.
 
     Args:
@@ -68,6 +68,8 @@ def resolve_corpus(corpus: str | Sequence[str]) -> list[CorpusFile]:
             (``.jsonl`` and ``.parquet`` hold records, anything else is one text document). A folder is walked
             recursively, skipping hidden entries, ``__pycache__`` and files whose first 8 KiB contain a NUL byte
             (binaries). Keys of a folder's files are relative to that folder; a file named directly has its name as key.
+        memo_dir: where the ``"python"`` corpus keeps its scan (:func:`k3lit.data.python_corpus.scan_python_sources`),
+            so that resolving it again reads no file; ``None``: read them every time.
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -82,7 +84,7 @@ def resolve_corpus(corpus: str | Sequence[str]) -> list[CorpusFile]:
         if spec == STDLIB:
             entries = stdlib_files()
         elif spec == PYTHON:
-            entries = python_files()
+            entries = python_files(memo_dir)
         else:
             path = Path(spec).expanduser()
             if not path.exists():

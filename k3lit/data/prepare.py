@@ -12,7 +12,9 @@ the corpus) and, when set, the shuffled file order. A second run with the same i
 returns at once; touching, adding or removing a corpus file, or changing the tokenizer, gives a new key and a
 fresh build. A build is written into
 ``<cache_dir>/.build-<key>-<pid>/`` and renamed into place at the end, so an interrupted prepare never leaves
-a half-written cache entry (the leftover build folder is removed by the next prepare).
+a half-written cache entry (the leftover build folder is removed by the next prepare). The ``"python"`` corpus keeps
+its scan of the installed sources beside the entries (``python-scan-<fingerprint>.json``), so finding an entry
+again walks the folders but reads no source file.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def find_prepared(
     shuffle_documents: bool = True,
 ) -> PreparedCorpus | None:
     """The finished cache entry for these arguments, or ``None`` if it must be built. Reads no documents."""
-    files = resolve_corpus(corpus)
+    files = resolve_corpus(corpus, memo_dir=cache_dir)
     root = Path(cache_dir) / cache_key(files, tokenizer, val_fraction, shuffle_documents)
     meta_path = root / META_FILE
     if not meta_path.is_file():
@@ -321,7 +323,7 @@ def prepare_corpus(
     if start_method is None:
         start_method = "fork" if sys.platform == "linux" else "spawn"
     t0 = time.perf_counter()
-    files = resolve_corpus(corpus)
+    files = resolve_corpus(corpus, memo_dir=cache_dir)
     cache_dir = Path(cache_dir)
     key = cache_key(files, tokenizer, val_fraction, shuffle_documents)
     root = cache_dir / key

@@ -162,3 +162,38 @@ def test_resolve_and_prepare_the_python_corpus(tmp_path, monkeypatch):
     splits = p.meta["splits"]
     assert splits["train"]["n_documents"] + splits["val"]["n_documents"] == len(EXPECTED_FILES)
     assert splits["train"]["n_bytes"] + splits["val"]["n_bytes"] == sum(f.size for f in files)
+
+
+def test_memo_skips_the_reads_until_a_file_changes(tmp_path, monkeypatch):
+    roots = make_install(tmp_path / "install")
+    memo = tmp_path / "memo"
+    first = scan_python_sources(roots, memo_dir=memo)
+    assert first == scan_python_sources(roots)  # the memo changes nothing the scan returns
+    assert len(list(memo.glob("python-scan-*.json"))) == 1
+
+    def no_reads(path, size):
+        raise AssertionError(f"read {path} though no file changed")
+
+    with monkeypatch.context() as m:
+        m.setattr(pc, "_inspect", no_reads)
+        again = scan_python_sources(roots, memo_dir=memo)
+    assert again == first
+
+    core = roots[1].path / "pkg" / "core.py"
+    core.write_text("def run():\n    return 10\n")  # one byte more: a new size and modification time
+    changed = scan_python_sources(roots, memo_dir=memo)
+    assert next(f for f in changed.files if f.key == "site-packages/pkg/core.py").size == core.stat().st_size
+    assert changed == scan_python_sources(roots)
+    _write(roots[1].path / "pkg" / "six.py", "PY3 = True\n")  # a new candidate, a duplicate of the vendored six
+    assert "site-packages/pkg/six.py" in scan_python_sources(roots, memo_dir=memo).skipped["duplicate"]
+    assert len(list(memo.glob("python-scan-*.json"))) == 3
+
+
+def test_prepare_keeps_the_scan_beside_its_entries(tmp_path, monkeypatch):
+    roots = make_install(tmp_path / "install")
+    monkeypatch.setattr(pc, "python_roots", lambda: roots)
+    cache = tmp_path / "cache"
+    p = prepare_corpus("python", "byte", cache_dir=cache, val_fraction=0.3, verbose=False)
+    assert [m.name.startswith("python-scan-") for m in cache.glob("*.json")] == [True]
+    monkeypatch.setattr(pc, "_inspect", lambda path, size: pytest.fail(f"read {path} to find a prepared corpus"))
+    assert prepare_corpus("python", "byte", cache_dir=cache, val_fraction=0.3, verbose=False).root == p.root
