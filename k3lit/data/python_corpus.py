@@ -176,7 +176,8 @@ def scan_python_sources(roots: Sequence[SourceRoot] | None = None, workers: int 
     depends only on the files' relative paths and bytes, not on the walk order or the machine. With ``memo_dir``
     the result is also kept there (``python-scan-<fingerprint>.json``), under a fingerprint of every candidate's
     key, path, size and modification time and of the rules: a later scan of unchanged files only walks the
-    folders (under a second here) and reads none of them; any added, removed or modified candidate scans afresh.
+    folders (under a second here) and reads none of them; any added, removed or modified candidate, or a kept
+    result that cannot be read back, scans afresh.
 
     Args:
         roots: folders to walk, in priority order for keys found in two of them; default :func:`python_roots`.
@@ -200,7 +201,10 @@ def scan_python_sources(roots: Sequence[SourceRoot] | None = None, workers: int 
     keys = sorted(candidates)
     memo = None if memo_dir is None else Path(memo_dir) / f"python-scan-{_fingerprint(keys, candidates)}.json"
     if memo is not None and memo.is_file():
-        return _load_scan(memo)
+        try:
+            return _load_scan(memo)
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable or damaged: scan afresh and rewrite it
+            pass
     skipped: dict[Reason, list[str]] = {"project": project}
     with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
         results = list(pool.map(lambda k: _inspect(*candidates[k][:2]), keys))

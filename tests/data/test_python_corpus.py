@@ -187,6 +187,9 @@ def test_memo_skips_the_reads_until_a_file_changes(tmp_path, monkeypatch):
     _write(roots[1].path / "pkg" / "six.py", "PY3 = True\n")  # a new candidate, a duplicate of the vendored six
     assert "site-packages/pkg/six.py" in scan_python_sources(roots, memo_dir=memo).skipped["duplicate"]
     assert len(list(memo.glob("python-scan-*.json"))) == 3
+    for kept in memo.glob("python-scan-*.json"):
+        kept.write_text('{"files": [["/nowhere"')  # a damaged memo is scanned afresh, and rewritten
+    assert scan_python_sources(roots, memo_dir=memo) == scan_python_sources(roots)
 
 
 def test_prepare_keeps_the_scan_beside_its_entries(tmp_path, monkeypatch):
