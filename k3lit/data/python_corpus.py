@@ -199,7 +199,7 @@ def scan_python_sources(roots: Sequence[SourceRoot] | None = None, workers: int 
         for key, path, size, mtime_ns in found:
             candidates.setdefault(key, (path, size, mtime_ns))  # the earlier root wins, as for imports
     keys = sorted(candidates)
-    memo = None if memo_dir is None else Path(memo_dir) / f"python-scan-{_fingerprint(keys, candidates)}.json"
+    memo = None if memo_dir is None else Path(memo_dir) / f"python-scan-{_fingerprint(keys, candidates, project)}.json"
     if memo is not None and memo.is_file():
         try:
             return _load_scan(memo)
@@ -227,8 +227,9 @@ def scan_python_sources(roots: Sequence[SourceRoot] | None = None, workers: int 
 _MEMO_VERSION = 1  # bump when the rules or the memo's layout change
 
 
-def _fingerprint(keys: list[str], candidates: dict[str, tuple[Path, int, int]]) -> str:
+def _fingerprint(keys: list[str], candidates: dict[str, tuple[Path, int, int]], project: list[str]) -> str:
     h = hashlib.sha256(f"{_MEMO_VERSION}|{sorted(SUFFIXES)}|{MAX_FILE_BYTES}|{MAX_LINE_BYTES}|{PROJECT}\n".encode())
+    h.update("\0".join(sorted(project)).encode())
     for key in keys:
         path, size, mtime_ns = candidates[key]
         h.update(f"{key}\0{path}\0{size}\0{mtime_ns}\n".encode())
