@@ -185,11 +185,15 @@ def test_memo_skips_the_reads_until_a_file_changes(tmp_path, monkeypatch):
     assert next(f for f in changed.files if f.key == "site-packages/pkg/core.py").size == core.stat().st_size
     assert changed == scan_python_sources(roots)
     _write(roots[1].path / "pkg" / "six.py", "PY3 = True\n")  # a new candidate, a duplicate of the vendored six
-    assert "site-packages/pkg/six.py" in scan_python_sources(roots, memo_dir=memo).skipped["duplicate"]
+    changed_again = scan_python_sources(roots, memo_dir=memo)
+    assert "site-packages/pkg/six.py" in changed_again.skipped["duplicate"]
     assert len(list(memo.glob("python-scan-*.json"))) == 3
     for kept in memo.glob("python-scan-*.json"):
         kept.write_text('{"files": [["/nowhere"')  # a damaged memo is scanned afresh, and rewritten
     assert scan_python_sources(roots, memo_dir=memo) == scan_python_sources(roots)
+    with monkeypatch.context() as m:  # the rewritten memo is read back without a scan
+        m.setattr(pc, "_inspect", no_reads)
+        assert scan_python_sources(roots, memo_dir=memo) == changed_again
 
 
 def test_prepare_keeps_the_scan_beside_its_entries(tmp_path, monkeypatch):
