@@ -349,7 +349,7 @@ def table(result: dict) -> str:
         r = result["lightning"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         mode = r.get("compile", "none")
-        bare = next((by_mode.get(mode) for by_mode in result["rows"].values()), None)
+        bare = result["rows"].get(r.get("bare_row"), {}).get(mode)
         against = (f"; the bare row ({mode}) {bare['tokens_per_s']:,.0f} tokens/s, so the Trainer runs at "
                    f"{r['tokens_per_s'] / bare['tokens_per_s']:.2f} of it" if bare and bare.get("tokens_per_s")
                    else "")
@@ -406,7 +406,8 @@ def main() -> None:
               "kda_backend": cfg.kda_backend, "env": versions(), "command": " ".join(["python", *sys.argv]),
               "rows": {}, "note": a.note, "optim": a.optim}
     plain = recipe_config(Path(a.plain_recipe), cfg.vocab_size)[0] if a.plain_recipe else None
-    jobs = [(name, c, batch, seq) for name, c in rows(cfg, Path(a.recipe).stem, a.rows.split(","), plain).items()]
+    named = rows(cfg, Path(a.recipe).stem, a.rows.split(","), plain)
+    jobs = [(name, c, batch, seq) for name, c in named.items()]
     jobs += [(*variant(cfg, spec), batch, seq) for spec in a.variant]
     for extra in a.extra_recipe:
         c, d = recipe_config(Path(extra), None)
@@ -431,6 +432,8 @@ def main() -> None:
     if a.lightning:
         result["lightning"] = bench_lightning(cfg, batch, seq, a.warmup, a.steps, a.lightning,
                                               result["compile"][0], a.optim)
+        # the bare row of the same model, the ratio's denominator (none unless --rows has "recipe")
+        result["lightning"]["bare_row"] = next((name for name, c in named.items() if c is cfg), None)
         print("lightning.Trainer + K3ThroughputMonitor:", json.dumps(result["lightning"]), flush=True)
     print(table(result))
     if a.json:

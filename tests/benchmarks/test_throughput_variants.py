@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.throughput import bench_lightning, host_ms_per_step, lightning_module, step_times_ms, table, variant
+from benchmarks.throughput import (
+    bench_lightning,
+    host_ms_per_step,
+    lightning_module,
+    rows,
+    step_times_ms,
+    table,
+    variant,
+)
 from k3lit.model import ModelConfig
 
 BASE = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, head_dim=16, n_experts=4, top_k=2, expert_dim=16)
@@ -91,10 +99,20 @@ def test_the_trainer_row_trains_and_is_set_against_the_bare_row(tmp_path):
             "mfu": None, "correct": True}
     result = {"env": {"date": "d", "device": "cpu", "torch": "t", "triton": "t"}, "compile": ["none"],
               "batch": 2, "seq": 16, "recipe": "r.yaml", "warmup": 1, "steps": 2,
-              "rows": {"k3lit `r`": {"none": bare}}, "lightning": {**r, "tokens_per_s": 300.0}}
+              "rows": {"plain": {"none": {**bare, "tokens_per_s": 900.0}}, "k3lit `r`": {"none": bare}},
+              "lightning": {**r, "tokens_per_s": 300.0, "bare_row": "k3lit `r`"}}
     text = table(result)
     assert "compile `none`, muon" in text and "the bare row (none) 400 tokens/s" in text
-    assert "runs at 0.75 of it" in text
+    assert "runs at 0.75 of it" in text  # against the recipe's own bare row, not the first one
+    result["lightning"]["bare_row"] = None  # no recipe row timed: no ratio
+    assert "the bare row" not in table(result)
+    result["lightning"]["bare_row"] = "k3lit `r`"
     assert "2 timed steps (their mean)" in text  # a stored run from before the per-step times
     result["rows"]["k3lit `r`"]["none"]["step_ms"] = [2.0, 2.0]
     assert "the median of 2 timed steps (CUDA events between steps)" in table(result)
+
+
+def test_only_the_recipe_row_is_the_recipes_model():
+    """main() names the Lightning row's bare row by identity with the recipe's config: no other row may share it."""
+    named = rows(BASE, "r", ["plain", "dense", "recipe", "no_balancer"], None)
+    assert [name for name, c in named.items() if c is BASE] == [next(n for n in named if n.startswith("k3lit `r`"))]
