@@ -10,9 +10,9 @@ the cosine) ends at step N; validations at steps N/2 and N read the held-out spl
 the same bytes for every run. From each run's ``metrics.csv``: ``val/bpb`` at both validations; the median of the
 logged tokens/s windows from step ``--steady`` on (the step's cost as ``k3lit fit`` runs it) and MFU; the mean of
 ``train/grad_norm``; for MoE layers, train MaxVio_batch over the logged steps of the run's second half, its mean and
-its 95th percentile (``statistics.quantiles``, inclusive: between two logged values, never beyond them). A screen ranks variants before a race
-(``benchmarks/race.py``) spends minutes on each: bits per byte after N steps are not bits per byte at equal
-wall-clock, where a variant's step cost and a longer schedule weigh in.
+its 95th percentile (``statistics.quantiles``, inclusive: between two logged values, never beyond them). A screen
+ranks variants before a race (``benchmarks/race.py``) spends minutes on each: bits per byte after N steps are not
+bits per byte at equal wall-clock, where a variant's step cost and a longer schedule weigh in.
 
 Writes the raw runs (``--json``, after every run) and RESULTS.md's section "Recipe variants (<GPU>, N steps)".
 """

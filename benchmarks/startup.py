@@ -50,8 +50,11 @@ def run(recipe: str, mode: str, caches: Path, a: argparse.Namespace, out: Path) 
     if first is None:
         raise RuntimeError(f"no first-step time in {out / name}.log")
     setup = re.search(r"set-up\W+([0-9.]+) s from the process's start", log)
+    parts = re.search(r"set-up\W+[0-9.]+ s from the process's start to training's: (.*) s$", log, re.M)
     h, m, sec = map(int, re.search(r"wall time\W+(\d+):(\d\d):(\d\d)", log).groups())
     return {"recipe": recipe, "mode": mode, "setup_s": float(setup[1]) if setup else None, "first_step_s": first,
+            "setup_parts_s": {name: float(v) for name, v in (p.rsplit(" ", 1) for p in parts[1].split("; "))}
+            if parts else None,
             "training_s": 3600 * h + 60 * m + sec, "process_s": wall}
 
 
@@ -80,8 +83,8 @@ def table(result: dict) -> str:
     env = result["env"]
     lines = [f"{env['date']}, {env['device']}, torch {env['torch']}, triton {env['triton']}; {result['command']}. "
              f"Each row a fresh `k3lit fit` process of the recipe as shipped, {result['steps']} steps, no validation. "
-             "Set-up: from the process's start to the start of training (the run summary's row: imports, model, "
-             "data, strategy); first step: from the start of training to the end of the first optimizer step "
+             "Set-up: from the process's start to the start of training, and its parts as the run summary's row "
+             "names them; first step: from the start of training to the end of the first optimizer step "
              "(compilation included); after training: the process less its set-up and its training wall time (the "
              "summary's, to the second: last checkpoint, plots, teardown); process: the whole command, interpreter "
              "start to exit. `cold`: empty "
@@ -91,6 +94,8 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         setup = "-" if r.get("setup_s") is None else f"{r['setup_s']:.1f}"
+        if r.get("setup_parts_s"):
+            setup += " (" + "; ".join(f"{name} {x:.1f}" for name, x in r["setup_parts_s"].items()) + ")"
         after = "-" if r.get("setup_s") is None or r.get("training_s") is None else \
             f"{r['process_s'] - r['setup_s'] - r['training_s']:.0f}"
         lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {setup} | {r['first_step_s']:.1f} | {after} | "

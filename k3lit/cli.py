@@ -75,7 +75,7 @@ from k3lit.train.module import COMPILE_MODES, K3LitModule
 from k3lit.train.optim import OptimConfig
 from k3lit.train.progress import ProgressLines, StepProgressBar
 from k3lit.train.quiet import quiet_third_party, quiet_validate
-from k3lit.train.summary import RunSummary
+from k3lit.train.summary import RunSummary, process_age_s
 from k3lit.train.tensorboard_log import RunTensorBoardLogger
 
 DEFAULT_EVERY_N_STEPS = 100  # checkpoint and heatmap interval when val_check_interval is neither steps nor a time
@@ -152,11 +152,14 @@ class K3CLI(LightningCLI):
         return config.get(str(self.subcommand), config).get(key, default)
 
     def instantiate_classes(self) -> None:
+        ages = {"parsed": process_age_s()}  # the set-up's first marks, for RunSummary (SETUP_MARKS)
         self.config_init = _instantiate(self.parser, self.config)
         if self.subcommand == "validate":
             quiet_validate()
         self.datamodule = self._value(self.config_init, "data")
+        ages["data"] = process_age_s()
         self.trainer = self.instantiate_trainer(**self._trainer_kwargs())
+        ages["trainer"] = process_age_s()
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured one
             one_file = type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)  # rank 0 writes one file
             self.trainer.strategy.checkpoint_io = BackgroundCheckpointIO() if one_file else DirectCheckpointIO()
@@ -194,6 +197,11 @@ class K3CLI(LightningCLI):
                                  compile_scope=self._value(self.config_init, "compile_scope", "sublayers"),
                                  empty_init=isinstance(self.trainer.strategy, ModelParallelStrategy),
                                  init_weights=init_weights)
+        ages["model"] = process_age_s()
+        for cb in self.trainer.callbacks:
+            if isinstance(cb, RunSummary):
+                for mark, age in ages.items():
+                    cb.record_age(mark, age)
 
     def _parse_ckpt_path(self) -> None:
         """Off: LightningCLI's would replace the whole recipe ``model`` with the checkpoint's, for a file path only,

@@ -4,7 +4,9 @@
       steps          1000
       tokens         4,096,000 (this run)
       wall time      0:09:00 (validation 0:00:29)
-      set-up         9.4 s from the process's start to training's (imports, model, data, strategy)
+      set-up         9.4 s from the process's start to training's: imports and arguments 5.0; data module 0.3;
+                     trainer 0.2; model 1.6; data preparation 0.1; the model onto its devices and the optimizer
+                     0.1; model summary and data loaders 2.1 s
       first step     2.1 s after training started (compilation included)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
@@ -51,15 +53,25 @@ from k3lit.train.flops import compute_dtype, peak_flops, training_flops
 from k3lit.train.progress import clock
 from k3lit.train.reference_bpb import reference_bpb
 
-__all__ = ["RunSummary"]
+__all__ = ["RunSummary", "SETUP_MARKS"]
+
+SETUP_MARKS = {  # the set-up's marks in the order they happen, each with what runs before it
+    "parsed": "imports and arguments",
+    "data": "data module",
+    "trainer": "trainer",
+    "model": "model",
+    "setup": "data preparation",
+    "fit_start": "the model onto its devices and the optimizer",
+    "train_start": "model summary and data loaders",
+}
 
 
 class RunSummary(Callback):
     """Print, when ``fit`` ends, the steps and tokens trained, wall time, the set-up before training (where the
-    process's age is known: Linux), the first optimizer step's time (start-up: compilation, the first batch),
-    tokens/s, MFU (where the device's peak is known), the last validation's ``val/bpb`` with gzip and xz on the same
-    text, MaxVio_global per MoE layer, and the checkpoint, plots and logs with the command that samples from the
-    checkpoint.
+    process's age is known: Linux; split at :data:`SETUP_MARKS`), the first optimizer
+    step's time (start-up: compilation, the first batch), tokens/s, MFU (where the device's peak is known), the
+    last validation's ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and the
+    checkpoint, plots and logs with the command that samples from the checkpoint.
 
     Args:
         rich: a rich table (True) or plain log lines (False); default: a table when stdout is a terminal.
@@ -76,6 +88,7 @@ class RunSummary(Callback):
         self.compressors = compressors
         self.title = ""
         self.rows: list[tuple[str, str]] = []
+        self._ages: dict[str, float | None] = {}  # the process's age at each SETUP_MARKS mark reached
         self._reset()
 
     def _reset(self) -> None:
@@ -89,13 +102,44 @@ class RunSummary(Callback):
         self._val_blocks = 0
         self._val_step: int | None = None
         self._first_step_s: float | None = None
-        self._setup_s: float | None = None
+
+    def record_age(self, mark: str, age: float | None = None) -> None:
+        """Record set-up mark ``mark`` (one of :data:`SETUP_MARKS`; the CLI records those before Lightning's hooks,
+        this callback the rest) at the process's ``age`` in seconds (default: now, :func:`process_age_s`).
+
+        Raises:
+            ValueError: an unknown ``mark``.
+        """
+        if mark not in SETUP_MARKS:
+            raise ValueError(f"record_age: mark {mark!r} is not one of {', '.join(SETUP_MARKS)}")
+        self._ages[mark] = process_age_s() if age is None else age
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.record_age("setup")
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record_age("fit_start")
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
         self._start_step = trainer.global_step
-        self._setup_s = process_age_s()
+        self.record_age("train_start")
+
+    def _setup_row(self) -> str:
+        """The set-up row: the process's age at training's start, then the seconds between the recorded marks,
+        each part named by what ran in it (the parts of unrecorded marks joined with the next)."""
+        parts, names, before = [], [], 0.0
+        for mark, what in SETUP_MARKS.items():
+            names.append(what)
+            age = self._ages.get(mark)
+            if age is not None:
+                parts.append(f"{', '.join(names)} {age - before:.1f}")
+                names, before = [], age
+        return f"{self._ages['train_start']:.1f} s from the process's start to training's: {'; '.join(parts)} s"
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -175,8 +219,7 @@ class RunSummary(Callback):
             ("steps", steps),
             ("tokens", f"{self._tokens * world:,} (this run)"),
             ("wall time", f"{clock(wall)} (validation {clock(self._val_seconds)})"),
-            *([("set-up", f"{self._setup_s:.1f} s from the process's start to training's (imports, model, data, "
-                          "strategy)")] if self._setup_s is not None else []),
+            *([("set-up", self._setup_row())] if self._ages.get("train_start") is not None else []),
             ("first step", "none" if self._first_step_s is None else
              f"{self._first_step_s:.1f} s after training started (compilation included)"),
             ("tokens/s", f"{self._tokens * world / train_seconds:,.0f} (all devices, validation excluded)"),

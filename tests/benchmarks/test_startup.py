@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from benchmarks.startup import MODES, modes, parser, startup, table
+from k3lit.train.summary import SETUP_MARKS
 
 
 def test_three_modes_of_one_recipe(tmp_path):
@@ -26,6 +27,8 @@ def test_three_modes_of_one_recipe(tmp_path):
     for r in result["rows"]:
         assert 0 <= r["first_step_s"] < r["process_s"], r
         assert 0 < r["setup_s"] < r["process_s"] - r["first_step_s"], r  # read from the run summary
+        assert list(r["setup_parts_s"]) == list(SETUP_MARKS.values()), r  # every mark recorded, in order
+        assert abs(sum(r["setup_parts_s"].values()) - r["setup_s"]) <= 0.4, r  # seven parts, each to 0.1 s
         assert 0 <= r["training_s"] < r["process_s"] - r["setup_s"] + 1, r  # the summary's wall time, to the second
     log = (tmp_path / "runs" / "r-cold-no-precompile.log").read_text()
     assert "steps          2" in log
@@ -33,7 +36,9 @@ def test_three_modes_of_one_recipe(tmp_path):
     assert text.count("| `r` |") == 3 and "| cold, no precompile |" in text and "| warm |" in text
     warm = result["rows"][2]
     after = warm["process_s"] - warm["setup_s"] - warm["training_s"]
-    row = f"| warm | {warm['setup_s']:.1f} | {warm['first_step_s']:.1f} | {after:.0f} | {warm['process_s']:.1f} |"
+    parts = "; ".join(f"{name} {x:.1f}" for name, x in warm["setup_parts_s"].items())
+    row = (f"| warm | {warm['setup_s']:.1f} ({parts}) | {warm['first_step_s']:.1f} | {after:.0f} | "
+           f"{warm['process_s']:.1f} |")
     assert row in text
     assert "Not measured" not in text
     cut = table({**result, "rows": result["rows"][:2]})  # a run that ended before its warm row

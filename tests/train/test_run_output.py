@@ -16,7 +16,7 @@ from rich.console import Console
 from k3lit.cli import K3CLI
 from k3lit.train.flops import training_flops_per_token
 from k3lit.train.progress import StepProgressBar
-from k3lit.train.summary import RunSummary
+from k3lit.train.summary import SETUP_MARKS, RunSummary
 
 ROOT = Path(__file__).parents[2]
 TINY = [
@@ -55,9 +55,12 @@ def test_a_run_in_a_log_shows_steps_a_summary_and_no_third_party_noise(tmp_path,
     assert all(f in fields for f in SUMMARY_FIELDS), fields
     assert fields["steps"] == "6" and fields["tokens"] == f"{6 * 2 * 32:,} (this run)"
     assert re.fullmatch(r"[\d.]+ s after training started \(compilation included\)", fields["first step"])
-    setup = re.fullmatch(r"([\d.]+) s from the process's start to training's \(imports, model, data, strategy\)",
-                         fields["set-up"])
+    setup = re.fullmatch(r"([\d.]+) s from the process's start to training's: (.+) s", fields["set-up"])
     assert setup and 0.5 < float(setup[1]) < process_s, (fields["set-up"], process_s)  # imports alone take > 0.5 s
+    parts = [p.rsplit(" ", 1) for p in setup[2].split("; ")]
+    assert [name for name, _ in parts] == list(SETUP_MARKS.values()), parts  # every mark, in the order they happen
+    seconds = [float(x) for _, x in parts]
+    assert seconds[0] > 0.5 and abs(sum(seconds) - float(setup[1])) <= 0.4, parts  # imports first; each to 0.1 s
     held = re.fullmatch(r"[\d.]+ \(val/bpb at step 6, over the ([\d,]+) bytes its targets encode\)",
                         fields["held-out bpb"])
     same = re.fullmatch(r"gzip -9 [\d.]+ · xz -9e [\d.]+ bits/byte on the text of the 4 validation blocks "
@@ -136,3 +139,14 @@ def test_a_run_without_validation_says_how_to_validate_its_checkpoint(tmp_path, 
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and re.search(r"val/bpb\s.*\d", out.stdout + out.stderr), out.stderr[-3000:]
+
+
+def test_set_up_parts_name_what_ran_between_the_recorded_marks():
+    summary = RunSummary()  # used without the CLI: only Lightning's hooks record marks
+    for mark, age in (("setup", 4.0), ("fit_start", 4.5), ("train_start", 6.25)):
+        summary.record_age(mark, age)
+    assert summary._setup_row() == (
+        "6.2 s from the process's start to training's: imports and arguments, data module, trainer, model, data "
+        "preparation 4.0; the model onto its devices and the optimizer 0.5; model summary and data loaders 1.8 s")
+    with pytest.raises(ValueError, match="mark 'imports' is not one of parsed, data"):
+        summary.record_age("imports")
