@@ -10,7 +10,9 @@ the cosine) ends at step N; validations at steps N/2 and N read the held-out spl
 the same bytes for every run. From each run's ``metrics.csv``: ``val/bpb`` at both validations; the median of the
 logged tokens/s windows from step ``--steady`` on (the step's cost as ``k3lit fit`` runs it) and MFU; the mean of
 ``train/grad_norm``; for MoE layers, train MaxVio_batch over the logged steps of the run's second half, its mean and
-its 95th percentile (``statistics.quantiles``, inclusive: between two logged values, never beyond them). A screen
+its 95th percentile (``statistics.quantiles``, inclusive: between two logged values, never beyond them), the share
+of routed slots a capacity limit re-routed (mean over the same steps; 0 without a limit) and the held-out
+MaxVio_global of the last validation. A screen
 ranks variants before a race (``benchmarks/race.py``) spends minutes on each: bits per byte after N steps are not
 bits per byte at equal wall-clock, where a variant's step cost and a longer schedule weigh in.
 
@@ -59,7 +61,8 @@ def summarize(rows: list[dict[str, str]], steps: int, steady: int) -> dict:
     """One fit's figures from its ``metrics.csv`` rows (0-based ``step`` column), as described in the module's
     docstring: ``val`` ([[step, bpb], ...], steps counted from 1), ``tokens_per_s`` and ``mfu`` (medians from step
     ``steady`` on; None when nothing was logged there), ``grad_norm`` (mean; None if unlogged) and, per MoE layer,
-    ``max_vio_mean`` and ``max_vio_p95`` over the steps from ``steps // 2`` on (empty lists without MoE layers)."""
+    ``max_vio_mean``, ``max_vio_p95`` and ``rerouted`` over the steps from ``steps // 2`` on and ``val_max_vio`` of
+    the last validation (empty lists without MoE layers)."""
     def logged(key: str, first: int = 0) -> list[float]:
         return [float(r[key]) for r in rows if r.get(key) and int(r["step"]) >= first]
 
@@ -74,12 +77,17 @@ def summarize(rows: list[dict[str, str]], steps: int, steady: int) -> dict:
         return statistics.quantiles(v, n=20, method="inclusive")[-1] if len(v) > 1 else v[0]
 
     norms = logged("train/grad_norm")
+    last_val = next((r for r in reversed(rows) if r.get("val/bpb")), {})
+    rerouted = [logged(f"train/reroute_rate/layer{i}", steps // 2) for i in layers]
     return {"val": [[int(r["step"]) + 1, float(r["val/bpb"])] for r in rows if r.get("val/bpb")],
             "tokens_per_s": median(logged("train/device/items_per_sec", steady)),
             "mfu": median(logged("train/device/mfu", steady)),
             "grad_norm": statistics.mean(norms) if norms else None,
             "max_vio_mean": [statistics.mean(v) for v in vio],
-            "max_vio_p95": [p95(v) for v in vio]}
+            "max_vio_p95": [p95(v) for v in vio],
+            "val_max_vio": [float(last_val[f"val/max_vio/layer{i}"]) for i in layers
+                            if last_val.get(f"val/max_vio/layer{i}")],
+            "rerouted": [statistics.mean(v) if v else 0.0 for v in rerouted] if vio else []}
 
 
 def run(label: str, extra: list[str], a: argparse.Namespace, out: Path) -> dict:
@@ -139,10 +147,12 @@ def table(result: dict) -> str:
         f"{result['val_batches']} batches, the same bytes for every run. tokens/s and MFU: medians of the logged "
         f"windows from step {result['steady']} on (the ratio against the recipe's); grad norm: the mean of "
         f"`train/grad_norm`; MaxVio: train MaxVio_batch over the logged steps of the second half, the largest MoE "
-        f"layer's mean and 95th percentile, and the mean over layers. Raw runs: `{result.get('json', '')}`.", "",
+        f"layer's mean and 95th percentile, and the mean over layers; held-out: MaxVio_global of the step-{steps} "
+        "validation, the largest layer's; re-routed: the share of routed slots a capacity limit sent to another "
+        f"expert, the mean over layers and the second half's steps. Raw runs: `{result.get('json', '')}`.", "",
         f"| run | arguments | bpb at step {steps // 2} | at {steps} | against the recipe | tokens/s | MFU | grad norm "
-        "| MaxVio mean: largest layer / all layers | MaxVio p95: largest layer |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "| MaxVio mean: largest layer / all layers | MaxVio p95: largest layer | held-out MaxVio | re-routed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         bpb = dict(map(tuple, r["val"]))
         final, ref = bpb.get(steps), base and dict(map(tuple, base["val"])).get(steps)
@@ -155,7 +165,9 @@ def table(result: dict) -> str:
             f"| `{r['label']}` | {args} | {num(bpb.get(steps // 2), '.4f')} | **{num(final, '.4f')}** | {delta} | "
             f"{tps} | {mfu} | {num(r['grad_norm'], '.2f')} | "
             + (f"{max(vio):.3f} / {statistics.mean(vio):.3f} | " if vio else "- | ")
-            + (f"{max(p95):.3f} |" if p95 else "- |"))
+            + (f"{max(p95):.3f} |" if p95 else "- |")
+            + (f" {max(r['val_max_vio']):.3f} |" if r.get("val_max_vio") else " - |")
+            + (f" {statistics.mean(r['rerouted']):.4f} |" if r.get("rerouted") else " - |"))
     return "\n".join(lines)
 
 

@@ -44,6 +44,8 @@ def test_the_recipe_and_a_variant_train_the_same_steps_on_the_same_bytes(tmp_pat
         assert "max_steps reached at step 8" in log
     # a capacity of exactly the balanced share caps every logged step's MaxVio_batch at 0; the recipe's does not
     assert cap["max_vio_mean"] == [0.0] and base["max_vio_mean"][0] > 0
+    assert cap["rerouted"][0] > 0 and base["rerouted"] == [0.0]  # what the limit moved; nothing without one
+    assert len(cap["val_max_vio"]) == len(base["val_max_vio"]) == 1
     text = table(result)
     assert title(result).startswith("Recipe variants (CPU") and title(result).endswith(", 8 steps)")
     assert "| `recipe` | (as shipped) |" in text
@@ -62,10 +64,12 @@ def test_summarize_reads_medians_from_the_steady_step_and_load_from_the_second_h
                        "train/max_vio/layer0": 0.5, "train/max_vio/layer1": 0.1}),
             row(49, **{"val/bpb": 1.5}),
             row(59, **{"train/device/items_per_sec": 500.0, "train/device/mfu": 0.5, "train/grad_norm": 3.0,
-                       "train/max_vio/layer0": 0.3, "train/max_vio/layer1": 0.2}),
+                       "train/max_vio/layer0": 0.3, "train/max_vio/layer1": 0.2,
+                       "train/reroute_rate/layer0": 0.25, "train/reroute_rate/layer1": 0.5}),
             row(79, **{"train/device/items_per_sec": 200.0, "train/device/mfu": 0.2,
-                       "train/max_vio/layer0": 0.1, "train/max_vio/layer1": 0.4}),
-            row(99, **{"val/bpb": 1.25})]
+                       "train/max_vio/layer0": 0.1, "train/max_vio/layer1": 0.4,
+                       "train/reroute_rate/layer0": 0.75, "train/reroute_rate/layer1": 0.5}),
+            row(99, **{"val/bpb": 1.25, "val/max_vio/layer0": 0.0625, "val/max_vio/layer1": 0.125})]
     s = summarize(rows, steps=100, steady=30)
     assert s["val"] == [[50, 1.5], [100, 1.25]]
     assert s["tokens_per_s"] == 300.0 and s["mfu"] == 0.3  # steps 39, 59, 79; step 19 is before --steady
@@ -73,9 +77,10 @@ def test_summarize_reads_medians_from_the_steady_step_and_load_from_the_second_h
     # steps 50-99 only (59 and 79): the warm-up's 9.0 is not counted
     assert s["max_vio_mean"] == pytest.approx([0.2, 0.3])
     assert s["max_vio_p95"] == pytest.approx([0.1 + 0.95 * 0.2, 0.2 + 0.95 * 0.2])  # between the two, not beyond
+    assert s["rerouted"] == [0.5, 0.5] and s["val_max_vio"] == [0.0625, 0.125]  # the last validation's
     empty = summarize([row(9, **{"train/loss": 3.0})], steps=10, steady=0)
     assert empty == {"val": [], "tokens_per_s": None, "mfu": None, "grad_norm": None, "max_vio_mean": [],
-                     "max_vio_p95": []}
+                     "max_vio_p95": [], "val_max_vio": [], "rerouted": []}
 
 
 def test_variants_are_labelled_and_checked():
@@ -96,7 +101,8 @@ def test_from_json_writes_the_section_against_the_recipe_row(tmp_path, monkeypat
 
     stored = {"recipe": "recipes/small.yaml", "steps": 10, "steady": 2, "val_batches": 3, "env": env,
               "command": "`screen`", "json": "s.json",
-              "runs": [run("recipe", [], 1.25, 200.0, [0.5, 0.25]), run("fast", ["--x=1"], 1.5, 300.0, [])]}
+              "runs": [{**run("recipe", [], 1.25, 200.0, [0.5, 0.25]), "val_max_vio": [0.5, 0.75],
+                        "rerouted": [0.0, 0.125]}, run("fast", ["--x=1"], 1.5, 300.0, [])]}
     (tmp_path / "s.json").write_text(json.dumps(stored))
     sections = {}
     monkeypatch.setattr("benchmarks.screen.write_section", lambda t, body: sections.update({t: body}))
@@ -104,5 +110,6 @@ def test_from_json_writes_the_section_against_the_recipe_row(tmp_path, monkeypat
     main()
     (name, body), = sections.items()
     assert name == "Recipe variants (H200, 10 steps)"
-    assert "| `recipe` | (as shipped) | 2.0000 | **1.2500** | - | 200 | 12.5% | 1.50 | 0.500 / 0.375 | 0.500 |" in body
-    assert "| `fast` | `--x=1` | 2.0000 | **1.5000** | +0.2500 | 300 (1.500x) | 12.5% | 1.50 | - | - |" in body
+    assert ("| `recipe` | (as shipped) | 2.0000 | **1.2500** | - | 200 | 12.5% | 1.50 | 0.500 / 0.375 | 0.500 | 0.750 "
+            "| 0.0625 |") in body
+    assert "| `fast` | `--x=1` | 2.0000 | **1.5000** | +0.2500 | 300 (1.500x) | 12.5% | 1.50 | - | - | - | - |" in body
