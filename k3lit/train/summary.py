@@ -5,8 +5,8 @@
       tokens         4,096,000 (this run)
       wall time      0:09:00 (validation 0:00:29)
       set-up         9.4 s from the process's start to training's: imports and arguments 5.0; data module 0.3;
-                     trainer 0.2; model 1.6; data preparation 0.1; the model onto its devices and the optimizer
-                     0.1; model summary and data loaders 2.1 s
+                     trainer 0.2; model 1.6; the device and data preparation 0.1; the model onto its devices and
+                     the optimizer 0.1; model summary and data loaders 2.1 s
       first step     2.1 s after training started (compilation included)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
@@ -60,7 +60,7 @@ SETUP_MARKS = {  # the set-up's marks in the order they happen, each with what r
     "data": "data module",
     "trainer": "trainer",
     "model": "model",
-    "setup": "data preparation",
+    "setup": "the device and data preparation",
     "fit_start": "the model onto its devices and the optimizer",
     "train_start": "model summary and data loaders",
 }
@@ -68,10 +68,10 @@ SETUP_MARKS = {  # the set-up's marks in the order they happen, each with what r
 
 class RunSummary(Callback):
     """Print, when ``fit`` ends, the steps and tokens trained, wall time, the set-up before training (where the
-    process's age is known: Linux; split at :data:`SETUP_MARKS`), the first optimizer
-    step's time (start-up: compilation, the first batch), tokens/s, MFU (where the device's peak is known), the
-    last validation's ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and the
-    checkpoint, plots and logs with the command that samples from the checkpoint.
+    process's age is known: Linux; split at :data:`SETUP_MARKS`), the first optimizer step's time (start-up:
+    compilation, the first batch), tokens/s, MFU (where the device's peak is known), the last validation's
+    ``val/bpb`` with gzip and xz on the same text, MaxVio_global per MoE layer, and the checkpoint, plots and logs
+    with the command that samples from the checkpoint.
 
     Args:
         rich: a rich table (True) or plain log lines (False); default: a table when stdout is a terminal.
