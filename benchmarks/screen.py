@@ -188,8 +188,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     a = parser().parse_args()
-    if a.steps < 2:
-        raise SystemExit(f"--steps {a.steps}: at least 2 (validations at steps/2 and steps)")
+    if a.steps < 2 or a.steps % 2:
+        raise SystemExit(f"--steps {a.steps}: an even number of at least 2 (validations at steps/2 and steps)")
     result = json.loads(Path(a.from_json).read_text()) if a.from_json else screen(a)
     write_section(title(result), table(result))
     print(table(result))

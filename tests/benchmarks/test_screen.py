@@ -92,6 +92,13 @@ def test_variants_are_labelled_and_checked():
         variants(["recipe=--optim.lr=1"])
 
 
+@pytest.mark.parametrize("steps", ["1", "7"])
+def test_steps_are_even_so_both_validations_run(monkeypatch, steps):
+    monkeypatch.setattr(sys, "argv", ["screen.py", "--steps", steps])
+    with pytest.raises(SystemExit, match=f"--steps {steps}: an even number"):
+        main()
+
+
 def test_from_json_writes_the_section_against_the_recipe_row(tmp_path, monkeypatch):
     env = {"date": "2026-01-01", "device": "NVIDIA H200", "torch": "t", "triton": "3"}
 
