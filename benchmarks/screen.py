@@ -12,9 +12,9 @@ logged tokens/s windows from step ``--steady`` on (the step's cost as ``k3lit fi
 ``train/grad_norm``; for MoE layers, train MaxVio_batch over the logged steps of the run's second half, its mean and
 its 95th percentile (``statistics.quantiles``, inclusive: between two logged values, never beyond them), the share
 of routed slots a capacity limit re-routed (mean over the same steps; 0 without a limit) and the held-out
-MaxVio_global of the last validation. A screen
-ranks variants before a race (``benchmarks/race.py``) spends minutes on each: bits per byte after N steps are not
-bits per byte at equal wall-clock, where a variant's step cost and a longer schedule weigh in.
+MaxVio_global of the last validation. A screen ranks variants before a race (``benchmarks/race.py``) spends minutes
+on each: bits per byte after N steps are not bits per byte at equal wall-clock, where a variant's step cost and a
+longer schedule weigh in.
 
 Writes the raw runs (``--json``, after every run) and RESULTS.md's section "Recipe variants (<GPU>, N steps)".
 """
