@@ -69,16 +69,16 @@ def summarize(rows: list[dict[str, str]], steps: int, steady: int) -> dict:
     def median(v: list[float]) -> float | None:
         return statistics.median(v) if v else None
 
-    layers = sorted({int(k.rsplit("layer", 1)[1]) for r in rows for k in r if k.startswith("train/max_vio/layer")})
-    vio = [sorted(logged(f"train/max_vio/layer{i}", steps // 2)) for i in layers]
-    vio = [v for v in vio if v]
+    half = steps // 2
+    layers = sorted({int(k.rsplit("layer", 1)[1]) for r in rows if int(r["step"]) >= half for k, v in r.items()
+                     if v and k.startswith("train/max_vio/layer")})  # the MoE layers logged in the second half
+    vio = [logged(f"train/max_vio/layer{i}", half) for i in layers]
 
     def p95(v: list[float]) -> float:
         return statistics.quantiles(v, n=20, method="inclusive")[-1] if len(v) > 1 else v[0]
 
     norms = logged("train/grad_norm")
     last_val = next((r for r in reversed(rows) if r.get("val/bpb")), {})
-    rerouted = [logged(f"train/reroute_rate/layer{i}", steps // 2) for i in layers]
     return {"val": [[int(r["step"]) + 1, float(r["val/bpb"])] for r in rows if r.get("val/bpb")],
             "tokens_per_s": median(logged("train/device/items_per_sec", steady)),
             "mfu": median(logged("train/device/mfu", steady)),
@@ -87,7 +87,7 @@ def summarize(rows: list[dict[str, str]], steps: int, steady: int) -> dict:
             "max_vio_p95": [p95(v) for v in vio],
             "val_max_vio": [float(last_val[f"val/max_vio/layer{i}"]) for i in layers
                             if last_val.get(f"val/max_vio/layer{i}")],
-            "rerouted": [statistics.mean(v) if v else 0.0 for v in rerouted] if vio else []}
+            "rerouted": [statistics.mean(logged(f"train/reroute_rate/layer{i}", half) or [0.0]) for i in layers]}
 
 
 def run(label: str, extra: list[str], a: argparse.Namespace, out: Path) -> dict:
