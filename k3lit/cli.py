@@ -111,6 +111,7 @@ class K3CLI(LightningCLI):
     trainer is a :class:`~k3lit.train.checkpoint_save.K3Trainer`: a killed save leaves no half-written checkpoint."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        self._imported_age = process_age_s()  # the first SETUP_MARKS mark: k3lit and its libraries imported
         quiet_third_party()
         super().__init__(
             K3LitModule,
@@ -152,7 +153,7 @@ class K3CLI(LightningCLI):
         return config.get(str(self.subcommand), config).get(key, default)
 
     def instantiate_classes(self) -> None:
-        ages = {"parsed": process_age_s()}  # the set-up's first marks, for RunSummary (SETUP_MARKS)
+        ages = {"imported": self._imported_age, "parsed": process_age_s()}  # RunSummary's first marks (SETUP_MARKS)
         self.config_init = _instantiate(self.parser, self.config)
         if self.subcommand == "validate":
             quiet_validate()

@@ -4,9 +4,9 @@
       steps          1000
       tokens         4,096,000 (this run)
       wall time      0:09:00 (validation 0:00:29)
-      set-up         9.4 s from the process's start to training's: imports and arguments 5.0; data module 0.3;
-                     trainer 0.2; model 1.6; the device and data preparation 0.1; the model onto its devices and
-                     the optimizer 0.1; model summary and data loaders 2.1 s
+      set-up         9.4 s from the process's start to training's: interpreter start and imports 4.6; arguments
+                     and recipe 0.4; data module 0.3; trainer 0.2; model 1.6; the device and data preparation 0.1;
+                     the model onto its devices and the optimizer 0.1; model summary and data loaders 2.1 s
       first step     2.1 s after training started (compilation included)
       tokens/s       7,586 (all devices, validation excluded)
       MFU            unknown (no peak FLOP/s known for cpu)
@@ -56,7 +56,8 @@ from k3lit.train.reference_bpb import reference_bpb
 __all__ = ["RunSummary", "SETUP_MARKS"]
 
 SETUP_MARKS = {  # the set-up's marks in the order they happen, each with what runs before it
-    "parsed": "imports and arguments",
+    "imported": "interpreter start and imports",
+    "parsed": "arguments and recipe",
     "data": "data module",
     "trainer": "trainer",
     "model": "model",

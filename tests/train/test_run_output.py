@@ -146,8 +146,8 @@ def test_set_up_parts_name_what_ran_between_the_recorded_marks():
     for mark, age in (("setup", 4.0), ("fit_start", 4.5), ("train_start", 6.25)):
         summary.record_age(mark, age)
     assert summary._setup_row() == (
-        "6.2 s from the process's start to training's: imports and arguments, data module, trainer, model, the "
-        "device and data preparation 4.0; the model onto its devices and the optimizer 0.5; model summary and data "
-        "loaders 1.8 s")
-    with pytest.raises(ValueError, match="mark 'imports' is not one of parsed, data"):
+        "6.2 s from the process's start to training's: interpreter start and imports, arguments and recipe, data "
+        "module, trainer, model, the device and data preparation 4.0; the model onto its devices and the optimizer "
+        "0.5; model summary and data loaders 1.8 s")
+    with pytest.raises(ValueError, match="mark 'imports' is not one of imported, parsed, data"):
         summary.record_age("imports")
