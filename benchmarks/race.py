@@ -391,22 +391,28 @@ def expert_load_table(result: dict) -> list[str]:
 
 def positions_table(result: dict) -> list[str]:
     """Lines under the race table for runs evaluated with ``--positions``: per run and length, held-out bpb over
-    all positions, in the first position bucket and in the last, and last over first."""
+    all positions, in the first position bucket and in the last, last over first, and the last bucket's bytes read
+    in training-length windows (``bpb_window``; ``-`` in runs stored before it was measured) with the last bucket
+    over it."""
     runs = [r for r in result["runs"] if r.get("positions")]
     if not runs:
         return []
     lines = ["", "The same final weights through `k3lit positions`: held-out bits per byte by position on the "
                  "split's first blocks of each length (documents packed as in training, KDA state and attention "
-                 "running across their boundaries):", "",
-             "| run | seed | length | blocks | all positions | first bucket | last bucket | last / first |",
-             "|---|---|---|---|---|---|---|---|"]
+                 "running across their boundaries); `in windows`: the last bucket's bytes read in windows of the "
+                 "training length, each from an empty state:", "",
+             "| run | seed | length | blocks | all positions | first bucket | last bucket | last / first | "
+             "last bucket in windows | last / in windows |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         for p in r["positions"]:
             filled = [b for b in p["buckets"] if b["bpb"] is not None]
             first, last = filled[0], filled[-1]
+            windowed = last.get("bpb_window")
             lines.append(f"| `{label(r)}` | {r['seed']} | {p['length']:,} | {p['blocks']} | "
                          f"{p['bpb']:.4f} | {first['bpb']:.4f} ({first['start']:,}-{first['end']:,}) | "
-                         f"{last['bpb']:.4f} ({last['start']:,}-{last['end']:,}) | {last['bpb'] / first['bpb']:.3f} |")
+                         f"{last['bpb']:.4f} ({last['start']:,}-{last['end']:,}) | {last['bpb'] / first['bpb']:.3f} | "
+                         + (f"{windowed:.4f} | {last['bpb'] / windowed:.3f} |" if windowed else "- | - |"))
     return lines
 
 

@@ -469,6 +469,9 @@ def positions_main(argv: list[str]) -> None:
                         help="held-out blocks per length, the first in file order (fewer if the split holds fewer)")
     parser.add_argument("--bucket_base", type=int | None, default=None,
                         help="first bucket edge B: buckets [0,B), [B,2B), [2B,4B), ...; default the training seq_len")
+    parser.add_argument("--window", type=int | None, default=None,
+                        help="also read every block in windows of this many tokens, each from an empty state, to "
+                             "score the same bytes without the longer context; default the training seq_len")
     for key, kind in (("corpus", str | list[str] | None), ("tokenizer", str | None), ("cache_dir", str | None),
                       ("val_fraction", float | None)):
         parser.add_argument(f"--data.{key}", type=kind, default=None, help=f"default: the checkpoint's data.{key}")
@@ -478,8 +481,8 @@ def positions_main(argv: list[str]) -> None:
     parser.add_argument("--json", type=str | None, default=None, help="write the results to this JSON file")
     parser.add_argument("--png", type=str | None, default=None, help="draw bpb against position bucket into this PNG")
     args = parser.parse_args(argv)
-    if args.blocks < 1 or any(n < 1 for n in args.lengths or []):
-        raise ValueError(f"--blocks {args.blocks} --lengths {args.lengths}: each must be >= 1")
+    if args.blocks < 1 or any(n < 1 for n in args.lengths or []) or (args.window is not None and args.window < 1):
+        raise ValueError(f"--blocks {args.blocks} --lengths {args.lengths} --window {args.window}: each must be >= 1")
     ckpt = load_model_checkpoint(args.ckpt)
     data = {**compat.init_args(ckpt.get("datamodule_hyper_parameters", {})),
             **{k: v for k, v in vars(args.data).items() if v is not None}}
@@ -499,12 +502,14 @@ def positions_main(argv: list[str]) -> None:
         count, blocks = pos.held_out_blocks(prepared, length, args.blocks)
         if count < args.blocks:
             print(f"length {length:,}: the held-out split holds {count} blocks of {length + 1:,} tokens; using {count}")
-        results.append(pos.evaluate_length(model, blocks, byte_table, edges, torch.bfloat16 if bf16 else None))
+        results.append(pos.evaluate_length(model, blocks, byte_table, edges, torch.bfloat16 if bf16 else None,
+                                           window=args.window or train_len))
     across = ("each document restarts KDA state and attention (document_masking)" if model.config.document_masking
               else "KDA state and attention run across document boundaries within a block")
     print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "
           f"{prepared.root / 'val'}\n(packed documents joined by eos, read as blocks of length + 1 tokens in file "
-          f"order; {across}, as in training)")
+          f"order; {across}, as in training; 'in W': the same bytes read in windows of W tokens, each from an "
+          "empty state)")
     print(pos.format_table(results))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,15 @@ its positions in every block, is
 with ``nats_t`` the cross-entropy of target ``t`` in nats and ``bytes_t`` the UTF-8 length of the text the target
 token stands for (0 for eos; :meth:`~k3lit.data.tokenizer.Tokenizer.token_bytes`). Over all positions of one
 length this is ``val/bpb`` of a validation pass over the same blocks.
+
+Later buckets hold other text than earlier ones, so a bucket's bpb mixes how hard its text is with how far into the
+sequence it lies. Each block is therefore also read in *windows* of ``W`` tokens (default: the training
+``seq_len``): the block cut into consecutive pieces of ``W + 1`` tokens (the last may be shorter), each one forward
+from an empty state, as a model trained at ``W`` reads text. Every target is then scored twice, with its whole
+prefix in the block and with its window's prefix only, and a bucket's ``bpb_window`` is the same sum over the same
+targets and bytes with the window's nats: ``bpb / bpb_window`` is what reading beyond ``W`` tokens of context does
+to the model on identical bytes (below 1: the longer context helps; above 1: the model fails beyond its training
+length).
 """
 
 from __future__ import annotations
@@ -37,8 +46,8 @@ from k3lit.data.prepare import PreparedCorpus
 from k3lit.data.tokenizer import Tokenizer
 from k3lit.model import K3LM
 
-__all__ = ["bucket_edges", "bucket_sums", "bucket_label", "token_nats", "held_out_blocks", "check_same_tokenizer",
-           "evaluate_length", "format_table", "plot_positions"]
+__all__ = ["bucket_edges", "bucket_sums", "bucket_label", "token_nats", "window_nats", "held_out_blocks",
+           "check_same_tokenizer", "evaluate_length", "format_table", "plot_positions"]
 
 HEAD_POSITIONS = 4096  # positions per LM-head call: [4096, vocab] float32 logits, not [L, vocab] at once
 
@@ -149,8 +158,21 @@ def check_same_tokenizer(tokens_tokenizer: Tokenizer, checkpoint_state: dict | N
         )
 
 
+def window_nats(model: K3LM, block: torch.Tensor, window: int) -> torch.Tensor:
+    """Cross-entropy (nats, float32 ``[L]``) of each target of one block, int64 ``[L + 1]``, read in windows:
+    ``block[s : s + window + 1]`` for ``s = 0, window, 2 window, ...``, each one forward from an empty state
+    (:func:`token_nats`), so target ``t`` sees only the tokens of its window before it.
+
+    Raises:
+        ValueError: ``window`` below 1.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1 token, got {window}")
+    return torch.cat([token_nats(model, block[s:s + window + 1]) for s in range(0, block.numel() - 1, window)])
+
+
 def evaluate_length(model: K3LM, blocks: Iterator[torch.Tensor], byte_table: torch.Tensor, edges: list[int],
-                    autocast_dtype: torch.dtype | None = None) -> dict[str, Any]:
+                    autocast_dtype: torch.dtype | None = None, window: int | None = None) -> dict[str, Any]:
     """Bits per byte by position bucket over ``blocks`` (int64 ``[L + 1]`` each, all of one length ``L``).
 
     Args:
@@ -160,14 +182,18 @@ def evaluate_length(model: K3LM, blocks: Iterator[torch.Tensor], byte_table: tor
         edges: bucket edges (:func:`bucket_edges`), the last one ``>= L``.
         autocast_dtype: the forward under ``torch.autocast`` in this dtype (e.g. ``torch.bfloat16``); None: the
             weights' dtype.
+        window: also score every target with its ``window``-token window's prefix only (:func:`window_nats`;
+            the module docstring); None: not.
 
     Returns:
-        ``{"length": L, "blocks": n, "loss": nats per target, "bpb": over all positions, "buckets": [{"start",
-        "end", "targets", "bytes", "bpb"}, ...]}``; a bucket with no byte (past ``L``, or eos targets only) has
-        ``bpb`` None. Units: bits per UTF-8 byte; ``loss`` in nats per token, as ``val/loss``.
+        ``{"length": L, "blocks": n, "loss": nats per target, "bpb": over all positions, "window": W or None,
+        "bpb_window": over all positions read in windows, "buckets": [{"start", "end", "targets", "bytes", "bpb",
+        "bpb_window"}, ...]}``; a bucket with no byte (past ``L``, or eos targets only) has ``bpb`` None, and the
+        ``bpb_window`` entries are None without a ``window``. Units: bits per UTF-8 byte; ``loss`` in nats per
+        token, as ``val/loss``.
 
     Raises:
-        ValueError: no block, or blocks of different lengths.
+        ValueError: no block, blocks of different lengths, or a ``window`` below 1.
     """
     device = byte_table.device
     sums, length, n = None, None, 0
@@ -180,29 +206,50 @@ def evaluate_length(model: K3LM, blocks: Iterator[torch.Tensor], byte_table: tor
         with torch.inference_mode(), torch.autocast(device.type, dtype=autocast_dtype,
                                                     enabled=autocast_dtype is not None):
             nats = token_nats(model, block)
+            if window is None or window >= length:  # one window holds the whole block: the same nats
+                windowed = None if window is None else nats
+            else:
+                windowed = window_nats(model, block, window)
         part = bucket_sums(nats, byte_table[block[1:]], edges)
+        if windowed is not None:  # a fourth column: the same targets' nats, read in windows
+            part = torch.cat([part, bucket_sums(windowed, byte_table[block[1:]], edges)[:, 1:2]], dim=1)
         sums = part if sums is None else sums + part
         n += 1
     if sums is None:
         raise ValueError("evaluate_length needs at least one block")
-    targets, nats, nbytes = sums.cpu().T.tolist()
-    buckets = [{"start": a, "end": b, "targets": int(t), "bytes": int(nb), "bpb": v / math.log(2) / nb if nb else None}
-               for a, b, t, v, nb in zip(edges, edges[1:], targets, nats, nbytes)]
-    total_nats, total_bytes = sum(nats), sum(nbytes)
-    return {"length": length, "blocks": n, "loss": total_nats / sum(targets),
-            "bpb": total_nats / math.log(2) / total_bytes if total_bytes else None, "buckets": buckets}
+    columns = sums.cpu().T.tolist()
+    targets, nats, nbytes = columns[:3]
+    in_windows = columns[3] if window is not None else [None] * len(targets)
+
+    def bpb(v: float | None, nb: float) -> float | None:
+        return v / math.log(2) / nb if nb and v is not None else None
+
+    buckets = [{"start": a, "end": b, "targets": int(t), "bytes": int(nb), "bpb": bpb(v, nb), "bpb_window": bpb(w, nb)}
+               for a, b, t, v, nb, w in zip(edges, edges[1:], targets, nats, nbytes, in_windows)]
+    total_bytes = sum(nbytes)
+    return {"length": length, "blocks": n, "loss": sum(nats) / sum(targets), "bpb": bpb(sum(nats), total_bytes),
+            "window": window, "bpb_window": None if window is None else bpb(sum(in_windows), total_bytes),
+            "buckets": buckets}
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """Rows: evaluation lengths; columns: blocks, bits per byte of each position bucket, and of all positions
+    """Rows: evaluation lengths, each followed (where it was read in windows shorter than itself) by the same
+    bytes read in windows (``in W``); columns: blocks, bits per byte of each position bucket, and of all positions
     (``-`` where a bucket holds no byte)."""
     edges = max((r["buckets"] for r in results), key=len)
     head = ["length", "blocks", *(bucket_label(b["start"], b["end"]) for b in edges), "all"]
     rows = [head]
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
     for r in results:
-        cells = [f"{b['bpb']:.4f}" if b["bpb"] is not None else "-" for b in r["buckets"]]
-        cells += ["-"] * (len(edges) - len(cells))
-        rows.append([f"{r['length']:,}", str(r["blocks"]), *cells, f"{r['bpb']:.4f}" if r["bpb"] is not None else "-"])
+        pad = ["-"] * (len(edges) - len(r["buckets"]))
+        rows.append([f"{r['length']:,}", str(r["blocks"]), *(num(b["bpb"]) for b in r["buckets"]), *pad,
+                     num(r["bpb"])])
+        if r.get("window") and r["window"] < r["length"]:
+            rows.append([f"in {r['window']:,}", "", *(num(b.get("bpb_window")) for b in r["buckets"]), *pad,
+                         num(r.get("bpb_window"))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
 
@@ -218,7 +265,11 @@ def plot_positions(results: list[dict[str, Any]], title: str, path: Path) -> Non
     fig, ax = plt.subplots(figsize=(2 + 0.9 * len(edges), 4), dpi=100)
     for r in results:
         points = [(i, b["bpb"]) for i, b in enumerate(r["buckets"]) if b["bpb"] is not None]
-        ax.plot(*zip(*points), marker="o", label=f"length {r['length']:,} ({r['blocks']} blocks)")
+        line, = ax.plot(*zip(*points), marker="o", label=f"length {r['length']:,} ({r['blocks']} blocks)")
+        if r.get("window") and r["window"] < r["length"]:  # the same bytes read in windows, dashed
+            points = [(i, b["bpb_window"]) for i, b in enumerate(r["buckets"]) if b.get("bpb_window") is not None]
+            ax.plot(*zip(*points), marker="x", linestyle="--", color=line.get_color(),
+                    label=f"the same bytes in {r['window']:,}-token windows")
     ax.set_xticks(range(len(edges)), [bucket_label(b["start"], b["end"]) for b in edges])
     ax.set_xlabel("position in the sequence (tokens)")
     ax.set_ylabel("held-out bits per byte")

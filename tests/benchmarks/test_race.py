@@ -76,6 +76,10 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         assert [(p["length"], p["blocks"]) for p in r["positions"]] == [(32, 2), (64, 2)]
         assert [b["start"] for b in r["positions"][1]["buckets"]] == [0, 32]
     assert text.count("| 7 | 64 | 2 |") == 3  # a positions row per run and length
+    for r in result["runs"]:  # at twice the training length: the last bucket over the same bytes in 32-token windows
+        last = r["positions"][1]["buckets"][-1]
+        assert r["positions"][1]["window"] == 32 and last["bpb_window"] > 0
+        assert f"| {last['bpb_window']:.4f} | {last['bpb'] / last['bpb_window']:.3f} |" in text
     plot(result, tmp_path / "race.png")
     assert (tmp_path / "race.png").stat().st_size > 10_000
 

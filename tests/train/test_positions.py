@@ -105,9 +105,20 @@ def test_positions_end_to_end_agrees_with_validate_and_a_direct_forward(tiny_ckp
     with torch.no_grad():
         nats = F.cross_entropy(module(batch[:, :-1]).transpose(1, 2), batch[:, 1:], reduction="none")
     late = slice(64, 128)  # the bucket [64, 128): positions beyond twice the training length
+    late_bytes = (batch[:, 1:][:, late] != 256).sum().item()
     bits = nats[:, late].sum().item() / math.log(2)
-    assert rows[128]["buckets"][2]["bpb"] == pytest.approx(bits / (batch[:, 1:][:, late] != 256).sum().item(),
-                                                           rel=1e-5)
+    assert rows[128]["buckets"][2]["bpb"] == pytest.approx(bits / late_bytes, rel=1e-5)
+
+    # the same bytes in windows of the training length: four forwards of 32 tokens, each from an empty state
+    assert rows[128]["window"] == 32
+    with torch.no_grad():
+        windowed = torch.cat([F.cross_entropy(module(batch[:, s:s + 32]).transpose(1, 2), batch[:, s + 1:s + 33],
+                                              reduction="none") for s in range(0, 128, 32)], dim=1)
+    bits_windowed = windowed[:, late].sum().item() / math.log(2)
+    assert rows[128]["buckets"][2]["bpb_window"] == pytest.approx(bits_windowed / late_bytes, rel=1e-5)
+    assert bits_windowed != pytest.approx(bits, rel=1e-5)  # the longer context changes the late targets' nats
+    assert rows[32]["bpb_window"] == rows[32]["bpb"]  # at the training length one window is the whole block
+    assert "in 32" in table
 
 
 def test_a_split_too_small_for_a_length_is_a_clear_error(tiny_ckpt, capsys):
