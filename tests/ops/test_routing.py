@@ -341,6 +341,22 @@ def test_causal_capacity_route_is_the_token_by_token_admission(seed, backend, B,
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("B", [1, 5])
+def test_causal_capacity_route_of_a_decoding_step(seed, backend, B):
+    """One new token per sequence (T = 1), as `k3lit generate` routes after the prompt, at `small`'s 16 experts,
+    top-2 and cf 1.1: the capacity is ceil(1.1 B 2 / 16) = 1 token an expert. One sequence keeps its plain top 2;
+    five share the experts in sequence order, as the token-by-token loop admits them."""
+    n, k, cf = 16, 2, 1.1
+    scores = _scores(B, n, 2.0 * torch.randn(n)).double()
+    bias = torch.randn(n, dtype=torch.float64) * 0.01
+    idx, _, rerouted, dropped = causal_capacity_route(scores, bias, k, cf, 1, backend=backend)
+    np.testing.assert_array_equal(idx.numpy(), _causal_capacity_loop(scores, bias, k, 1, 1))
+    assert int(dropped) == 0
+    if B == 1:
+        assert int(rerouted) == 0 and set(idx[0].tolist()) == set((scores + bias).topk(k).indices[0].tolist())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_causal_capacity_route_closes_an_expert_that_fills_at_a_block_boundary(backend):
     """One sequence of 1,024 tokens, top-1, cf 2 (512 tokens an expert): the first 768 tokens prefer expert 0, then
     expert 1; the rest prefer expert 2. Expert 0 fills with token 511, the last of the kernel's second block of 256,
