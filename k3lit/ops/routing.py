@@ -410,7 +410,8 @@ def causal_capacity_route(
     (``k3lit.kernels.routing``). ``backend="torch"`` runs without a loop over tokens: with each expert's closing
     point fixed, every token's choice is one masked top-k; the earliest point at which some expert's running count
     exceeds c closes that expert there (the choices before it cannot change), and n + 1 such rounds settle all of
-    them. Work ``O(n² m)``. Both give the same experts (up to ties in ``s + b``).
+    them. Work ``O(n² m)``. Both give the same experts (up to ties in ``s + b``). Where ``c = m`` (a decoding step
+    of one sequence) no expert can pass c, and the plain top k is returned without either.
 
     Args:
         scores: ``[m, n]`` router scores (may require grad; the weights are differentiable).
@@ -437,6 +438,10 @@ def causal_capacity_route(
         raise ValueError(f"the {m} tokens are not whole sequences of seq_len={seq_len}")
     triton = use_triton(scores, backend)
     cap = capacity_tokens(capacity_factor, m, k, n)
+    if cap == m:  # a token takes an expert at most once: the count cannot bind
+        final = (scores.detach() + bias.to(scores.dtype)).topk(k, dim=-1).indices
+        none = torch.zeros((), dtype=torch.long, device=scores.device)
+        return final, _kept_slot_weights(scores, final), none, none.clone()
     if triton:
         from k3lit.kernels.routing import causal_capacity_triton
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3lit.ops import aux_loss, expert_load, max_violation, quantile_bias, route, sign_bias_update
 from k3lit.ops.routing import (
@@ -354,6 +355,30 @@ def test_causal_capacity_route_of_a_decoding_step(seed, backend, B):
     assert int(dropped) == 0
     if B == 1:
         assert int(rerouted) == 0 and set(idx[0].tolist()) == set((scores + bias).topk(k).indices[0].tolist())
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the operators a call dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("B,capacity_work", [(1, False), (2, True)])
+def test_causal_capacity_route_skips_a_count_that_cannot_bind(seed, B, capacity_work):
+    """With the capacity at m tokens (one sequence's decoding step: ceil(1.1 · 1 · 2 / 16) = 1) no expert can
+    overflow, so no capacity round runs; two tokens can share an expert whose capacity is 1, so they run."""
+    n, k = 16, 2
+    scores, bias = _scores(B, n), torch.zeros(n)
+    with _OpNames() as ops:
+        idx = causal_capacity_route(scores, bias, k, 1.1, 1, backend="torch")[0]
+    assert ("k3lit.first_overflow" in ops.names) == capacity_work
+    np.testing.assert_array_equal(idx.numpy(), _causal_capacity_loop(scores, bias, k, 1, 1))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
