@@ -30,10 +30,12 @@ def _steps(model: K3LM, x: torch.Tensor, n: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("policy", ["none", "block"])
-def test_whole_model_compiles_without_graph_breaks_and_balances(policy):
+@pytest.mark.parametrize("policy,backend", [("none", "inductor"), ("block", "aot_eager")])
+def test_whole_model_compiles_without_graph_breaks_and_balances(policy, backend):
     """Also with block checkpointing (``K3LM.compile`` keeps the recording out of the recomputation): one
-    forward and backward leaves each MoE with exactly its own tokens pending."""
+    forward and backward leaves each MoE with exactly its own tokens pending. Checkpointing is decided by dynamo
+    and AOT autograd, so the block case stops before inductor's code generation (``aot_eager``), which the case
+    without it runs: on the CPU it compiles about 130 C++ kernels a case, minutes on two cores."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=96, dim=32, n_layers=4 if policy == "none" else 3, layer_pattern="KKKA", n_heads=2,
                       head_dim=16, n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1, kda_backend="torch",
@@ -41,13 +43,14 @@ def test_whole_model_compiles_without_graph_breaks_and_balances(policy):
     eager = K3LM(cfg)
     compiled = copy.deepcopy(eager)
     counters.clear()
-    compiled.compile(fullgraph=True)
+    compiled.compile(fullgraph=True, backend=backend)
     x = torch.randint(0, cfg.vocab_size, (2, 49), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled(x[:, :-1])[0].float().logsumexp(-1).mean().backward()
     assert all(moe.pending_tokens == x.shape[0] * (x.shape[1] - 1) for moe in compiled.moe_layers())
-    # the step is kept in AOT autograd's cache (a later process reuses it), custom autograd.Function and all
-    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
+    if backend == "inductor":  # the step is kept in AOT autograd's cache (a later process reuses it), custom
+        # autograd.Function and all; the cache serves inductor's graphs only
+        assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
     compiled.zero_grad()
     update_balancers(compiled)
     compiled.load_state_dict(eager.state_dict())  # the balancers' biases as well
