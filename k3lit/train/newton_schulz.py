@@ -12,28 +12,47 @@ import torch
 
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic Newton-Schulz iteration of torch.optim.Muon
 NS_EPS = 1e-7  # torch.optim.Muon's floor on the norm the iteration divides by
+NS_DTYPES = ("auto", "bfloat16", "float32")  # choices of OptimConfig.ns_dtype
 
 
-def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
-    """Approximate orthogonalisation ``U S' V^T`` (``S'`` near one) of every matrix of a batch, in bfloat16.
+def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The dtype of the Newton-Schulz products for ``choice`` (one of :data:`NS_DTYPES`) on ``device``: ``auto``
+    is bfloat16 on accelerators, as in ``torch.optim.Muon``, and float32 on the CPU, where most processors have
+    no bfloat16 matrix arithmetic and torch emulates it far more slowly than it multiplies float32
+    (benchmarks/RESULTS.md, "Muon on the CPU").
+
+    Raises:
+        ValueError: an unknown choice.
+    """
+    if choice not in NS_DTYPES:
+        raise ValueError(f"ns_dtype={choice!r}: choose one of {NS_DTYPES}")
+    if choice == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, choice)
+
+
+def newton_schulz(x: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximate orthogonalisation ``U S' V^T`` (``S'`` near one) of every matrix of a batch, computed in
+    ``dtype`` (torch's Muon: bfloat16).
 
     Per matrix ``X`` (wide orientation: a tall one is transposed first and back at the end):
     ``X <- X / max(||X||_F, eps)``, then ``steps`` times ``G = X X^T``, ``X <- a X + (b G + c G G) X`` with
     ``(a, b, c)`` = :data:`NS_COEFFICIENTS`: the operations of ``torch.optim.Muon``'s iteration, one batched
-    product for all matrices where it runs one product per matrix. The results equal torch's to the bit but where
-    a batched product rounds an element differently in the last bfloat16 bit (rare; seen on matrices of 2-3 rows).
+    product for all matrices where it runs one product per matrix. In bfloat16 the results equal torch's to the bit
+    but where a batched product rounds an element differently in the last bit (rare; seen on matrices of 2-3 rows).
 
     Args:
         x: ``[N, A, C]`` matrices of one shape, any float dtype.
         steps: Newton-Schulz iterations (torch's Muon: 5).
+        dtype: the products' dtype: bfloat16 (torch's Muon) or float32 (:func:`ns_dtype`).
 
     Returns:
-        ``[N, A, C]`` bfloat16.
+        ``[N, A, C]`` in ``dtype``.
     """
     if x.dim() != 3:
         raise ValueError(f"newton_schulz takes [N, A, C] matrices, got shape {tuple(x.shape)}")
     a, b, c = NS_COEFFICIENTS
-    y = x.bfloat16()
+    y = x.to(dtype)
     tall = y.shape[-2] > y.shape[-1]
     if tall:
         y = y.mT
@@ -46,7 +65,8 @@ def newton_schulz(x: torch.Tensor, steps: int) -> torch.Tensor:
 
 class BatchedBlocks:
     """The batched Newton-Schulz inputs of a fixed set of Muon updates: every block of one shape from all of them in
-    one ``[N, A, C]`` bfloat16 buffer, allocated once, with a view of it for every piece of every update.
+    one ``[N, A, C]`` buffer of the iteration's dtype, allocated once, with a view of it for every piece of every
+    update.
 
     A step then copies every piece into its place with one multi-tensor copy, runs one :func:`newton_schulz` per
     block shape, and splits each result into the pieces' blocks; nothing is joined or reshaped per piece. The host
@@ -57,6 +77,7 @@ class BatchedBlocks:
             ``[E, A, C]`` (experts), split along ``split_dim`` (-2 or -1) into pieces of ``split_sizes``, each
             block of each leading index orthogonalised by ``steps`` iterations, the result in ``dtype``.
         device: where the buffers live.
+        ns_dtype: the dtype the iteration computes in (:func:`newton_schulz`).
 
     Raises:
         ValueError: an update that is not 2-D or 3-D.
@@ -68,7 +89,8 @@ class BatchedBlocks:
     """
 
     def __init__(self, layouts: list[tuple[torch.Size, int, list[int], int, torch.dtype]],
-                 device: torch.device) -> None:
+                 device: torch.device, ns_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.ns_dtype = ns_dtype
         groups: dict[tuple[int, int, int, torch.dtype], list[tuple[int, int, torch.Size]]] = defaultdict(list)
         for i, (shape, split_dim, split_sizes, steps, dtype) in enumerate(layouts):
             if len(shape) not in (2, 3):
@@ -83,7 +105,7 @@ class BatchedBlocks:
         self._batches: list[tuple[torch.Tensor, int, torch.dtype, list[int]]] = []
         for (a, c, steps, dtype), members in groups.items():
             counts = [math.prod(piece[:-2]) for *_, piece in members]
-            x = torch.empty(sum(counts), a, c, dtype=torch.bfloat16, device=device)
+            x = torch.empty(sum(counts), a, c, dtype=ns_dtype, device=device)
             for (i, j, piece), x_piece in zip(members, x.split(counts), strict=True):
                 self.order.append((i, j))
                 self.rms_scale.append(0.2 * math.sqrt(max(a, c)))
@@ -94,8 +116,9 @@ class BatchedBlocks:
         """Orthogonalise every block of every piece (``pieces[k]`` of the shape of piece ``order[k]``, any float
         dtype): per piece in ``order``, its blocks ``[blocks, a, c]`` in its update's dtype (contiguous), each
         ``NS(block)`` of :func:`newton_schulz`, unscaled."""
-        torch._foreach_copy_(self._inputs, pieces)  # to bfloat16, as newton_schulz would cast each block
+        torch._foreach_copy_(self._inputs, pieces)  # to ns_dtype, as newton_schulz would cast each block
         out: list[torch.Tensor] = []
         for x, steps, dtype, counts in self._batches:
-            out.extend(newton_schulz(x, steps).to(dtype, memory_format=torch.contiguous_format).split(counts))
+            ortho = newton_schulz(x, steps, self.ns_dtype)
+            out.extend(ortho.to(dtype, memory_format=torch.contiguous_format).split(counts))
         return out

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from k3lit.train.newton_schulz import NS_COEFFICIENTS, BatchedBlocks
+from k3lit.train.newton_schulz import NS_COEFFICIENTS, NS_DTYPES, BatchedBlocks, ns_dtype
 
 OPTIMIZERS = ("adamw", "muon")
 __all__ = ["NS_COEFFICIENTS", "OPTIMIZERS", "MuonAdamW", "OptimConfig", "muon_matrices"]
@@ -32,6 +32,9 @@ class OptimConfig:
         weight_decay: decoupled weight decay on matrices (not on norms, biases or pseudo-queries).
         beta1, beta2, eps: AdamW moments.
         momentum, ns_steps: Muon's Nesterov momentum and Newton-Schulz iterations (``muon`` only).
+        ns_dtype: the dtype of Muon's Newton-Schulz products: ``auto`` (bfloat16 on GPUs as in
+            ``torch.optim.Muon``, float32 on the CPU), ``bfloat16`` or ``float32``
+            (:func:`k3lit.train.newton_schulz.ns_dtype`).
     """
 
     name: str = "adamw"
@@ -44,6 +47,7 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.95
     ns_steps: int = 5
+    ns_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -58,6 +62,8 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.momentum={self.momentum}: must lie in [0, 1)")
         if not 1 <= self.ns_steps < 100:
             raise ValueError(f"OptimConfig.ns_steps={self.ns_steps}: must lie in [1, 99]")
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"OptimConfig.ns_dtype={self.ns_dtype!r}: choose one of {NS_DTYPES}")
 
     def lr_factor(self, step: int, total_steps: float, time_progress: float = 0.0) -> float:
         """Multiplier of ``lr`` after ``step`` optimizer steps: linear warmup over ``warmup_steps``, then a cosine
@@ -109,7 +115,7 @@ class OptimConfig:
             muon_groups = [{"params": ps, "split_dim": dim, "split_sizes": list(sizes)}
                            for (dim, sizes), ps in layouts.items()]
             opt = MuonAdamW(adamw_groups, muon_groups, weight_decay=self.weight_decay, momentum=self.momentum,
-                            ns_steps=self.ns_steps, **adamw)
+                            ns_steps=self.ns_steps, ns_dtype=self.ns_dtype, **adamw)
         clock = time_progress or (lambda step: 0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.lr_factor(s, total_steps, clock(s)))
         return opt, sched
@@ -132,6 +138,8 @@ class OptimConfig:
                          eps=self.eps)
             if group.get("muon"):
                 group.update(weight_decay=self.weight_decay, momentum=self.momentum, ns_steps=self.ns_steps)
+        if isinstance(opt, MuonAdamW):
+            opt.ns_dtype = self.ns_dtype
         opt.param_groups[0]["weight_decay"] = self.weight_decay  # the AdamW matrices; the second group has none
         sched._last_lr = [group["lr"] for group in opt.param_groups]
 
@@ -185,7 +193,7 @@ class MuonAdamW(torch.optim.Optimizer):
     (``group["muon"]`` true), stepped as :class:`torch.optim.Muon` with ``adjust_lr_fn="match_rms_adamw"``.
 
     A Muon step per parameter: ``buf <- lerp(buf, g, 1 - momentum)``, Nesterov ``u = lerp(g, buf, momentum)``,
-    each block ``B`` (``[A, C]``) of ``u`` orthogonalised by torch's Newton-Schulz iteration (in bfloat16) and
+    each block ``B`` (``[A, C]``) of ``u`` orthogonalised by torch's Newton-Schulz iteration (``ns_dtype``) and
     scaled by ``0.2 sqrt(max(A, C))``, then ``p <- p (1 - lr wd) - lr U``. Blocks come from the group's layout
     (``split_dim``, ``split_sizes``, see :func:`muon_matrices`), with every leading index (expert) on its own;
     torch's Muon takes whole 2-D matrices only.
@@ -201,9 +209,12 @@ class MuonAdamW(torch.optim.Optimizer):
         lr, betas, eps, fused: AdamW's settings (``lr`` also Muon's, before the RMS matching).
         weight_decay: Muon's decoupled weight decay.
         momentum, ns_steps: Muon's momentum and Newton-Schulz iterations.
+        ns_dtype: the iteration's dtype, one of :data:`~k3lit.train.newton_schulz.NS_DTYPES` (``auto``: by the
+            parameters' device, :func:`~k3lit.train.newton_schulz.ns_dtype`).
 
     Raises:
         RuntimeError: torch has no ``torch.optim.Muon`` (before 2.9).
+        ValueError: an unknown ``ns_dtype``.
     """
 
     def __init__(
@@ -217,9 +228,13 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum: float,
         ns_steps: int,
         fused: bool | None = None,
+        ns_dtype: str = "auto",
     ) -> None:
         if not hasattr(torch.optim, "Muon"):
             raise RuntimeError(f"optim.name=muon needs torch >= 2.9 (torch.optim.Muon); this is {torch.__version__}")
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"MuonAdamW: ns_dtype={ns_dtype!r}: choose one of {NS_DTYPES}")
+        self.ns_dtype = ns_dtype
         self._adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         muon = dict(muon=True, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps)
         groups = self._adamw.param_groups + [{**muon, **g} for g in muon_groups]
@@ -291,12 +306,14 @@ class MuonAdamW(torch.optim.Optimizer):
                         keep: bool) -> BatchedBlocks:
         """The :class:`BatchedBlocks` of these updates; with ``keep`` (plain parameters), kept with the views of
         the parameters' pieces (``_param_pieces``, in its order) until the parameters or their layouts change."""
-        key = keep and tuple((id(p), p.data_ptr(), g["split_dim"], tuple(g["split_sizes"]), g["ns_steps"])
-                             for p, g in entries)
+        key = keep and (self.ns_dtype, *((id(p), p.data_ptr(), g["split_dim"], tuple(g["split_sizes"]), g["ns_steps"])
+                                         for p, g in entries))
         if key and key == self._blocks_key:
             return self._blocks
+        device = updates[0].device
         blocks = BatchedBlocks([(u.shape, g["split_dim"], g["split_sizes"], g["ns_steps"], u.dtype)
-                                for u, (_, g) in zip(updates, entries, strict=True)], updates[0].device)
+                                for u, (_, g) in zip(updates, entries, strict=True)], device,
+                               ns_dtype(self.ns_dtype, device))
         if keep:
             self._blocks_key, self._blocks = key, blocks
             self._param_pieces = _piece_views([p.detach() for p, _ in entries], entries, blocks.order)

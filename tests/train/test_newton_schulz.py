@@ -41,7 +41,7 @@ def test_rejects_a_single_matrix():
 
 def test_optimizer_step_runs_one_iteration_per_block_shape(monkeypatch):
     """A step of a model with MoE, KDA and softmax attention layers orthogonalises all of its blocks in one
-    batched call per distinct (rows, columns) shape, every block once."""
+    batched call per distinct (rows, columns) shape, every block once; on the CPU in float32 (``auto``)."""
     model = K3LM(ModelConfig(vocab_size=40, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16,
                              mlp_hidden=48, n_experts=4, top_k=2, expert_dim=16, n_shared_experts=1,
                              first_dense_layers=1, attnres_block_size=2))
@@ -55,13 +55,13 @@ def test_optimizer_step_runs_one_iteration_per_block_shape(monkeypatch):
     calls: list[tuple[int, ...]] = []
     real = ns.newton_schulz
 
-    def counting(x, steps):
-        calls.append(tuple(x.shape))
-        return real(x, steps)
+    def counting(x, steps, dtype):
+        calls.append((*x.shape, dtype))
+        return real(x, steps, dtype)
 
     monkeypatch.setattr(ns, "newton_schulz", counting)
     opt.step()
-    assert sorted(calls) == sorted((n, *s) for s, n in shapes.items())
+    assert sorted(calls, key=str) == sorted(((n, *s, torch.float32) for s, n in shapes.items()), key=str)
 
 
 def _model_and_muon(seed: int) -> tuple[K3LM, torch.optim.Optimizer]:
