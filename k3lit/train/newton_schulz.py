@@ -18,8 +18,8 @@ NS_DTYPES = ("auto", "bfloat16", "float32")  # choices of OptimConfig.ns_dtype
 def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
     """The dtype of the Newton-Schulz products for ``choice`` (one of :data:`NS_DTYPES`) on ``device``: ``auto``
     is bfloat16 on accelerators, as in ``torch.optim.Muon``, and float32 on the CPU, where many processors have
-    no bfloat16 matrix arithmetic and torch emulates it far more slowly than it multiplies float32
-    (benchmarks/RESULTS.md, "Muon on the CPU").
+    no bfloat16 matrix arithmetic and torch's bfloat16 products run far slower than its float32 ones
+    (benchmarks/RESULTS.md, "Muon on the CPU without bfloat16 arithmetic").
 
     Raises:
         ValueError: an unknown choice.

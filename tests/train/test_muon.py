@@ -117,7 +117,7 @@ def test_first_muon_step_matches_float64_reference(ns_dtype, tol):
     the iteration is scale-free, so every block (q, k, v; gate, up of each expert; whole matrices) moves by
     ``lr 0.2 sqrt(max(a, c)) NS(g_block)`` after the decay. In bfloat16 (torch's iteration) the relative
     Frobenius error against float64 is about 1.5% on these shapes (a wrong block, orientation or scale is off
-    by order one); ``auto`` runs the iteration in float32 on the CPU, a thousand times closer. Rank-deficient
+    by order one); ``auto`` runs the iteration in float32 on the CPU: within 1e-4. Rank-deficient
     blocks are left out: bfloat16 rounding moves their near-zero singular values, which the polynomial then
     amplifies."""
     model = _model()
