@@ -89,7 +89,13 @@ def _instantiate(parser: ArgumentParser, cfg: Any) -> Any:
 
 class K3ArgumentParser(LightningArgumentParser):
     """LightningCLI's parser with a short error: one usage line instead of the full usage (about 90 lines of
-    options, printed before the error), and for an unknown option the closest known ones."""
+    options, printed before the error), and for an unknown option the closest known ones. Options must be spelled
+    out: argparse would take a prefix of one option for it (``--model.n_layer`` for ``--model.n_layers``), so a
+    typo could set another field than the one meant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def print_usage(self, file: Any = None) -> None:
         print(f"usage: {self.prog} [options]", file=file or sys.stderr)
@@ -363,7 +369,7 @@ class K3CLI(LightningCLI):
 
 def prepare_main(argv: list[str]) -> None:
     """``k3lit prepare``: build (or reuse) the tokenised litdata cache of a recipe's ``data`` section."""
-    parser = ArgumentParser(prog="k3lit prepare", description=prepare_main.__doc__)
+    parser = ArgumentParser(prog="k3lit prepare", description=prepare_main.__doc__, allow_abbrev=False)
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_class_arguments(K3DataModule, "data")
     for group in ("model", "optim", "trainer"):
@@ -390,7 +396,7 @@ def _checkpoint_model(ckpt: dict, **runtime: Any) -> K3LM:
 
 def generate_main(argv: list[str]) -> None:
     """``k3lit generate``: sample text from a checkpoint (prefill, then recurrent-state decoding)."""
-    parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__)
+    parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__, allow_abbrev=False)
     parser.add_argument("--ckpt", type=str, required=True,
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
     parser.add_argument("--prompt", type=str, default="def ",
@@ -459,7 +465,7 @@ def positions_main(argv: list[str]) -> None:
     the checkpoint's training length (see :mod:`k3lit.train.positions`)."""
     from k3lit.train import positions as pos
 
-    parser = ArgumentParser(prog="k3lit positions", description=positions_main.__doc__)
+    parser = ArgumentParser(prog="k3lit positions", description=positions_main.__doc__, allow_abbrev=False)
     parser.add_argument("--ckpt", type=str, required=True,
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
@@ -528,7 +534,7 @@ def export_main(argv: list[str]) -> None:
     .from_pretrained(DIR, trust_remote_code=True)`` loads (k3lit's torch path; k3lit must be installed there)."""
     from k3lit.export import export_hf
 
-    parser = ArgumentParser(prog="k3lit export", description=export_main.__doc__)
+    parser = ArgumentParser(prog="k3lit export", description=export_main.__doc__, allow_abbrev=False)
     parser.add_argument("--ckpt", type=str, required=True,
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
     parser.add_argument("--out", type=str, required=True, help="the folder to write")

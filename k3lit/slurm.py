@@ -217,7 +217,7 @@ def slurm_main(argv: list[str]) -> None:
     if "--" in argv:
         at = argv.index("--")
         argv, fit_args = argv[:at], argv[at + 1 :]
-    p = argparse.ArgumentParser(prog="k3lit slurm", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="k3lit slurm", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 epilog="Arguments after -- go to `k3lit fit` (e.g. -- --trainer.max_steps=1000).")
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("--nodes", type=int, help="nodes (default: the recipe's trainer.num_nodes, else 1)")

@@ -218,6 +218,16 @@ def test_mistyped_option_gets_a_short_error_with_suggestions(tmp_path, cache, ca
     assert "--trainer.max_stpes: did you mean --trainer.max_steps" in err
 
 
+def test_a_prefix_of_an_option_is_not_taken_for_it(tmp_path, cache, capsys, monkeypatch):
+    """``--model.n_layer`` is a typo, not ``--model.n_layers``: argparse's abbreviations are off."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    with pytest.raises(SystemExit) as e:
+        main(fit_args(tmp_path, cache, 2, "--model.n_layer=1", "--trainer.max_step=3"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unrecognized arguments: --model.n_layer=1 --trainer.max_step=3" in err
+    assert "--model.n_layer: did you mean --model.n_layers" in err
+
+
 def test_empty_corpus_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).parents[1])
     (tmp_path / "empty").mkdir()
