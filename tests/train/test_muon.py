@@ -180,6 +180,9 @@ def test_resume_with_the_other_optimizer_is_refused():
         OptimConfig(name="muon").apply(opt, sched)
     with pytest.raises(ValueError, match="choose one of"):
         OptimConfig(name="sgd")
+
+
+def test_an_unknown_iteration_dtype_is_refused():
     with pytest.raises(ValueError, match=r"ns_dtype='float16': choose one of \('auto', 'bfloat16', 'float32'\)"):
         OptimConfig(name="muon", ns_dtype="float16")
 
