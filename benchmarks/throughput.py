@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import versions, write_section  # noqa: E402
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
@@ -43,6 +44,18 @@ from k3lit.train.optim import OptimConfig  # noqa: E402
 
 
 def recipe_config(recipe: Path, vocab: int | None) -> tuple[ModelConfig, dict]:
+    """The recipe's :class:`ModelConfig` (vocabulary from its tokenizer unless ``vocab``) and its ``data`` section.
+    ``recipe`` is a YAML file or, as ``make RECIPE=`` takes it, the name of one in ``recipes/`` (``small``).
+
+    Raises:
+        SystemExit: neither a file nor a recipe's name (the message lists the recipes).
+    """
+    if not recipe.is_file():
+        named = ROOT / "recipes" / f"{recipe}.yaml"
+        if not named.is_file():
+            names = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+            raise SystemExit(f"no recipe {str(recipe)!r}: give a YAML file or one of {', '.join(names)}")
+        recipe = named
     r = yaml.safe_load(recipe.read_text())
     data = r.get("data", {})
     tok = str(data.get("tokenizer", "byte"))

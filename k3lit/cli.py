@@ -132,8 +132,7 @@ class K3CLI(LightningCLI):
         )
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(self.trainer_class, "trainer")
-        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        # model, optim and data first: --help lists the groups in this order, Lightning's trainer flags last
         parser.add_class_arguments(ModelConfig, "model")
         parser.add_class_arguments(OptimConfig, "optim")
         parser.add_lightning_class_args(K3DataModule, "data")
@@ -153,6 +152,8 @@ class K3CLI(LightningCLI):
         parser.add_argument("--float32_matmul_precision", type=Literal["highest", "high", "medium"], default="high",
                             help="torch.set_float32_matmul_precision on CUDA devices: 'high' = TF32 products for "
                                  "float32 matmuls (the router's, and all of them under 32-true); 'highest' = IEEE")
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
 
     def _value(self, config: Any, key: str, default: Any = None) -> Any:
         """``key`` of the sub-command's section of ``config`` (or of ``config`` itself without a sub-command)."""

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from benchmarks.throughput import (
+    ROOT,
     bench_lightning,
     host_ms_per_step,
     lightning_module,
+    recipe_config,
     rows,
     step_times_ms,
     table,
@@ -116,3 +118,11 @@ def test_only_the_recipe_row_is_the_recipes_model():
     """main() names the Lightning row's bare row by identity with the recipe's config: no other row may share it."""
     named = rows(BASE, "r", ["plain", "dense", "recipe", "no_balancer"], None)
     assert [name for name, c in named.items() if c is BASE] == [next(n for n in named if n.startswith("k3lit `r`"))]
+
+
+def test_a_recipe_is_a_file_or_its_name_in_recipes():
+    by_name, data = recipe_config(Path("tiny"), None)
+    by_file, _ = recipe_config(ROOT / "recipes" / "tiny.yaml", None)
+    assert by_name == by_file and data["seq_len"] == 256
+    with pytest.raises(SystemExit, match="no recipe 'tinny'.*small_plain, tiny"):
+        recipe_config(Path("tinny"), None)
