@@ -15,6 +15,15 @@ from k3lit.nn.moe import update_balancers
 from k3lit.train.module import K3LitModule
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from nothing: dynamo keeps per-code-object state between tests of one worker, and a
+    shape another test compiled earlier would turn this test's sizes symbolic (automatic dynamic shapes)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _steps(model: K3LM, x: torch.Tensor, n: int) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
@@ -155,3 +164,48 @@ def test_gpu_kda_model_trains_under_cuda_graphs(scope):
     torch.testing.assert_close(runs["reduce-overhead"][0], runs[None][0], rtol=1e-5, atol=0)
     for got, want in zip(runs["reduce-overhead"][1], runs[None][1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulated_micro_batches_compile_each_sublayer_once_and_all_reach_the_balancer():
+    """A compiled MoE forward leaves its statistics in one slot that ``training_step`` collects: six micro-batches
+    of one optimizer step compile no sublayer anew (appending to the step's list inside the compiled region
+    made dynamo guard on its length: a recompilation per micro-batch, and from the 9th on the layer ran eagerly),
+    and the balancer's update sees every micro-batch, as the eager module's does."""
+    from torch._dynamo.testing import CompileCounter
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, layer_pattern="KA", n_heads=2, head_dim=16, n_experts=4,
+                      top_k=2, expert_dim=16, first_dense_layers=0, kda_backend="torch")
+    torch.manual_seed(0)
+    eager = K3LitModule(cfg)
+    compiled = copy.deepcopy(eager)
+    frames = CompileCounter()
+    compiled.model.compile_sublayers(backend=frames)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 17), generator=gen) for _ in range(7)]
+    for module in (eager, compiled):
+        module.training_step(batches[0], 0)  # a step of one micro-batch: every sublayer compiles
+        update_balancers(module.model)
+    one = frames.frame_count
+    assert one > 0
+    for module in (eager, compiled):
+        for i, batch in enumerate(batches[1:]):
+            module.training_step(batch, i)
+        assert [m.pending_tokens for m in module.model.moe_layers()] == [6 * 2 * 16] * cfg.n_layers
+        update_balancers(module.model)
+    assert frames.frame_count == one
+    for e, c in zip(eager.model.moe_layers(), compiled.model.moe_layers(), strict=True):
+        assert c.expert_bias.abs().sum() > 0
+        torch.testing.assert_close(c.expert_bias, e.expert_bias, rtol=0, atol=1e-5)
+
+
+def test_a_compiled_forward_that_finds_the_last_ones_statistics_uncollected_is_warned_about():
+    from k3lit.nn.moe import MoE
+
+    moe = MoE(dim=16, n_experts=4, top_k=2, expert_dim=8)
+    moe.compile(backend="eager")
+    x = torch.randn(1, 8, 16)
+    moe(x)
+    moe(x)  # the first forward's statistics not collected
+    with pytest.warns(UserWarning, match="missing from this optimizer step's update"):
+        moe.update_balancer()
+    assert moe.balancer_step.item() == 1 and moe.pending_tokens == 0

@@ -11,7 +11,9 @@ Balancer life cycle (docs/MATH.md §2):
 
 * ``forward`` in training mode records the statistics of its micro-batch (detached float32 scores for
   ``quantile``, integer histogram counts of the required bias for ``quantile_hist``, expert loads for
-  ``aux_free``) and routes with the *current* bias;
+  ``aux_free``) and routes with the *current* bias; a compiled forward leaves them in a slot that the
+  training loop moves into the step's statistics after each forward (:meth:`MoE.collect_balancer_stats`), so
+  a step of several micro-batches compiles each layer once;
 * the training loop calls :meth:`MoE.update_balancer` (or :func:`update_balancers` on the whole model)
   once per optimizer step; it pools every micro-batch of the step (and every rank, when
   ``torch.distributed`` is initialised), computes the step's estimate, moves the running bias towards it
@@ -268,6 +270,10 @@ class MoE(nn.Module):
         self._pending_choosers: torch.Tensor | None = None  # quantile capacity: [n, HIST_BINS] int64 counts
         self._pending_m: torch.Tensor | None = None  # quantile capacity: 0-d int64 tokens recorded
         self._pending_batches = 0
+        # a compiled forward's statistics, left for collect_balancer_stats(): appending to the lists above inside
+        # the compiled region would make dynamo guard on their lengths and compile once per micro-batch
+        self._fresh: dict[str, torch.Tensor] | None = None
+        self._overwritten = False  # a compiled forward found the slot uncollected: update_balancer() warns
         self._warned = False
         self.reset_parameters()
 
@@ -380,22 +386,56 @@ class MoE(nn.Module):
         }
         if not self.training or not (self._balances or self._quantile_capacity):
             return
+        fresh = {}
         if self._quantile_capacity:  # who would choose each expert without the limit, and with what score
-            counts = chooser_score_histogram(scores.detach(), self.expert_bias, self.top_k, HIST_BINS)
-            m = torch.full((), scores.shape[0], dtype=torch.int64, device=counts.device)
-            first = self._pending_choosers is None
-            self._pending_choosers = counts if first else self._pending_choosers + counts
-            self._pending_m = m if first else self._pending_m + m
+            fresh["choosers"] = chooser_score_histogram(scores.detach(), self.expert_bias, self.top_k, HIST_BINS)
+            fresh["m"] = torch.full((), scores.shape[0], dtype=torch.int64, device=scores.device)
         if self.balancer == "quantile":
-            self._pending_scores.append(scores.detach().float())
+            fresh["scores"] = scores.detach().float()
         elif self.balancer == "quantile_hist":
             if self._hist_range is None:  # fixed for the whole step: the bias does not change within it
                 self._hist_range = _hist_range(self.expert_bias)
-            counts = required_bias_histogram(scores.detach(), self.expert_bias, self.top_k, *self._hist_range,
-                                             HIST_BINS)
-            self._pending_hist = counts if self._pending_hist is None else self._pending_hist + counts
+            fresh["hist"] = required_bias_histogram(scores.detach(), self.expert_bias, self.top_k,
+                                                    *self._hist_range, HIST_BINS)
         elif self.balancer == "aux_free":
-            self._pending_load = load if self._pending_load is None else self._pending_load + load
+            fresh["load"] = load
+        if torch.compiler.is_compiling():  # one slot, overwritten: no guard on how many micro-batches came before
+            if self._fresh is not None:
+                self._overwritten = True
+            self._fresh = fresh
+        else:
+            self._add_pending(fresh)
+
+    def collect_balancer_stats(self) -> None:
+        """Add the statistics a compiled forward left behind to the optimizer step's pending statistics.
+
+        A compiled training forward writes its micro-batch's statistics to one slot rather than appending to the
+        step's (which would compile the layer anew for every micro-batch of a step); this moves them, copied,
+        since under CUDA graphs the next replay of the forward reuses their memory. Call it after every training
+        forward of a step with several micro-batches (:class:`k3lit.train.module.K3LitModule` does);
+        :meth:`update_balancer` calls it for the last one. Eager forwards add their statistics themselves.
+        """
+        if self._overwritten:
+            self._overwritten = False
+            warnings.warn("MoE: a compiled training forward ran before the previous one's balancer statistics were "
+                          "collected, so that micro-batch is missing from this optimizer step's update; call "
+                          "collect_balancer_stats() after each forward (K3LitModule does)", stacklevel=2)
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None:
+            self._add_pending({key: value.clone() for key, value in fresh.items()})
+
+    def _add_pending(self, fresh: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's statistics (``_record``'s ``fresh``) to the step's pending ones."""
+        if "choosers" in fresh:
+            first = self._pending_choosers is None
+            self._pending_choosers = fresh["choosers"] if first else self._pending_choosers + fresh["choosers"]
+            self._pending_m = fresh["m"] if first else self._pending_m + fresh["m"]
+        if "scores" in fresh:
+            self._pending_scores.append(fresh["scores"])
+        if "hist" in fresh:
+            self._pending_hist = fresh["hist"] if self._pending_hist is None else self._pending_hist + fresh["hist"]
+        if "load" in fresh:
+            self._pending_load = fresh["load"] if self._pending_load is None else self._pending_load + fresh["load"]
         self._pending_batches += 1
         if self._pending_batches > _PENDING_WARN and not self._warned:
             self._warned = True
@@ -418,7 +458,8 @@ class MoE(nn.Module):
     @property
     def pending_tokens(self) -> int:
         """Tokens recorded since the last :meth:`update_balancer` (balancers that move the bias, and the
-        quantile capacity mode)."""
+        quantile capacity mode); collects a compiled forward's statistics first (:meth:`collect_balancer_stats`)."""
+        self.collect_balancer_stats()
         if self.balancer == "quantile":
             return sum(s.shape[0] for s in self._pending_scores)
         if self.balancer == "quantile_hist":
@@ -432,6 +473,7 @@ class MoE(nn.Module):
         self._pending_scores, self._pending_load, self._pending_batches = [], None, 0
         self._pending_hist, self._hist_range = None, None
         self._pending_choosers, self._pending_m = None, None
+        self._fresh, self._overwritten = None, False
 
     @torch.no_grad()
     def update_balancer(self) -> None:
@@ -449,6 +491,7 @@ class MoE(nn.Module):
         """
         if not (self._balances or self._quantile_capacity):
             return
+        self.collect_balancer_stats()
         distributed = self._distributed()
         if not distributed and self._pending_batches == 0:
             return
@@ -602,6 +645,8 @@ def update_balancers(model: nn.Module | Iterable[MoE]) -> None:
     Every other layer updates on its own, in order.
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)] if isinstance(model, nn.Module) else list(model)
+    for moe in layers:
+        moe.collect_balancer_stats()
     together: dict[tuple, list[MoE]] = {}
     for moe in layers:
         key = moe._alone_quantile_key()

@@ -192,6 +192,8 @@ class K3LitModule(L.LightningModule):
             loss = loss + aux
         if moes := self.model.moe_layers():
             self._update_load(self.train_load, moes)  # every micro-batch; logged once per optimizer step
+            for moe in moes:  # a compiled forward's balancer statistics, before the next micro-batch's replaces them
+                moe.collect_balancer_stats()
         return loss
 
     @staticmethod
