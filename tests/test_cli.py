@@ -228,6 +228,15 @@ def test_a_prefix_of_an_option_is_not_taken_for_it(tmp_path, cache, capsys, monk
     assert "--model.n_layer: did you mean --model.n_layers" in err
 
 
+def test_fit_help_lists_the_model_optim_and_data_options_before_the_trainers(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    firsts = [out.index(f"--{group}.") for group in ("model", "optim", "data", "trainer")]
+    assert firsts == sorted(firsts), firsts
+
+
 def test_empty_corpus_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(Path(__file__).parents[1])
     (tmp_path / "empty").mkdir()
