@@ -248,13 +248,14 @@ def side_by_side(runs: list[tuple[str, dict]]) -> str:
 SECTION = "Device time by kernel group"
 
 
-def section(runs: list[tuple[str, dict]], compile_: str) -> str:
+def section(runs: list[tuple[str, dict]], compile_: str, optim: str) -> str:
     """RESULTS.md's section: how the runs were made, then :func:`side_by_side`."""
     shapes = ", ".join(f"`{name}` {s['batch']} x {s['seq']}" for name, s in runs)
+    optimizer = "fused AdamW" if optim == "adamw" else "Muon on the hidden matrices, fused AdamW on the rest"
     return (f"Written by `benchmarks/profile_step.py`. {environment()}. Command: {command()}. Device milliseconds per "
             f"optimizer step by kernel group (the profiler's self device time of every kernel, grouped by name: "
             f"`profile_step.kernel_group`), each run's own batch x tokens ({shapes}), compile `{compile_}`, the "
-            "step of `benchmarks/throughput.py` (bf16 autocast, float32 weights, fused AdamW, clipping, balancer "
+            f"step of `benchmarks/throughput.py` (bf16 autocast, float32 weights, {optimizer}, clipping, balancer "
             "update; the loss compiled with a compiled model). Step wall time without the profiler, median.\n\n"
             + side_by_side(runs))
 
@@ -351,7 +352,7 @@ def main() -> None:
     if all(s["kernel_groups"] for s in summaries):
         print(side_by_side(runs))
         if a.write:
-            write_section(f"{SECTION} ({torch.cuda.get_device_name()})", section(runs, a.compile))
+            write_section(f"{SECTION} ({torch.cuda.get_device_name()})", section(runs, a.compile, a.optim))
     elif a.write:
         raise SystemExit("--write: no device kernels were profiled (run it on a GPU)")
 
