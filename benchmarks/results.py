@@ -90,9 +90,12 @@ def add_output_arguments(p: argparse.ArgumentParser, raw: str) -> None:
 def run_or_load(a: argparse.Namespace, measure: Callable[[argparse.Namespace], dict], title: str,
                 table: Callable[[dict], str]) -> dict:
     """``measure(a)`` (written to ``a.json`` when given), or the stored result of ``a.from_json``; then the section
-    ``title + " (<device>)"`` of ``a.results`` (default RESULTS.md) as ``table(result)``. Returns the result."""
+    ``title + " (<device>)"`` of ``a.results`` (default RESULTS.md) as ``table(result)``, also printed (a run on a
+    machine whose files do not come back keeps it in its log). Returns the result."""
     result = json.loads(Path(a.from_json).read_text()) if a.from_json else measure(a)
     if a.json and not a.from_json:
         Path(a.json).write_text(json.dumps(result, indent=1))
-    write_section(f"{title} ({result['env']['device']})", table(result), RESULTS if a.results is None else a.results)
+    heading, text = f"{title} ({result['env']['device']})", table(result)
+    write_section(heading, text, RESULTS if a.results is None else a.results)
+    print(f"## {heading}\n\n{text}", flush=True)
     return result
