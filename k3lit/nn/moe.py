@@ -273,7 +273,7 @@ class MoE(nn.Module):
         # a compiled forward's statistics, left for collect_balancer_stats(): appending to the lists above inside
         # the compiled region would make dynamo guard on their lengths and compile once per micro-batch
         self._fresh: dict[str, torch.Tensor] | None = None
-        self._overwritten = False  # a compiled forward found the slot uncollected: update_balancer() warns
+        self._overwritten = False  # a compiled forward found the slot uncollected: the next collection warns
         self._warned = False
         self.reset_parameters()
 
