@@ -479,6 +479,12 @@ def positions_main(argv: list[str]) -> None:
     parser.add_argument("--window", type=int | None, default=None,
                         help="also read every block in windows of this many tokens, each from an empty state, to "
                              "score the same bytes without the longer context; default the training seq_len")
+    parser.add_argument("--attn_window", type=int | None, default=None,
+                        help="the softmax-attention layers attend to the last N tokens only (model.attn_window; "
+                             "e.g. the training seq_len); default: the checkpoint's setting")
+    parser.add_argument("--attn_logn_base", type=int | None, default=None,
+                        help="log-n scaling of the softmax-attention queries beyond N positions "
+                             "(model.attn_logn_base; e.g. the training seq_len); default: the checkpoint's setting")
     for key, kind in (("corpus", str | list[str] | None), ("tokenizer", str | None), ("cache_dir", str | None),
                       ("val_fraction", float | None)):
         parser.add_argument(f"--data.{key}", type=kind, default=None, help=f"default: the checkpoint's data.{key}")
@@ -501,7 +507,9 @@ def positions_main(argv: list[str]) -> None:
     prepared = K3DataModule(**data).prepared
     pos.check_same_tokenizer(prepared.tokenizer, ckpt.get(K3DataModule.__qualname__))
     device = torch.device(args.device)
-    model = _checkpoint_model(ckpt, activation_checkpointing="none", checkpoint_blocks=None).to(device)
+    reach = {k: v for k, v in (("attn_window", args.attn_window), ("attn_logn_base", args.attn_logn_base))
+             if v is not None}
+    model = _checkpoint_model(ckpt, activation_checkpointing="none", checkpoint_blocks=None, **reach).to(device)
     byte_table = torch.from_numpy(prepared.tokenizer.token_bytes()).to(device)
     bf16 = (args.precision or ("bf16-mixed" if device.type == "cuda" else "32-true")) == "bf16-mixed"
     results = []
@@ -513,6 +521,10 @@ def positions_main(argv: list[str]) -> None:
                                            window=args.window or train_len))
     across = ("each document restarts KDA state and attention (document_masking)" if model.config.document_masking
               else "KDA state and attention run across document boundaries within a block")
+    c = model.config
+    if c.attn_window is not None or c.attn_logn_base is not None:
+        across += (f"; softmax attention over the last {c.attn_window} tokens" if c.attn_window else "") + (
+            f"; queries scaled by log-n beyond {c.attn_logn_base} positions" if c.attn_logn_base else "")
     print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "
           f"{prepared.root / 'val'}\n(packed documents joined by eos, read as blocks of length + 1 tokens in file "
           f"order; {across}, as in training; 'in W': the same bytes read in windows of W tokens, each from an "
@@ -523,6 +535,7 @@ def positions_main(argv: list[str]) -> None:
         Path(args.json).write_text(json.dumps({"checkpoint": str(args.ckpt), "train_seq_len": train_len,
                                                "edges": edges, "split": str(prepared.root / "val"),
                                                "precision": "bf16-mixed" if bf16 else "32-true",
+                                               "attn_window": c.attn_window, "attn_logn_base": c.attn_logn_base,
                                                "results": results}, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.png:

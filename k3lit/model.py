@@ -48,7 +48,7 @@ BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 # parameters and buffers or what the trained weights compute, so it is taken from the checkpoint.
 RUNTIME_FIELDS = ("activation_checkpointing", "checkpoint_blocks", "kda_backend", "bias_update_rate", "aux_loss_coef",
                   "capacity_factor", "capacity_mode", "quantile_rate", "balancer_sync_every", "document_masking",
-                  "eos_id")
+                  "eos_id", "attn_window", "attn_logn_base")
 
 
 @dataclass
@@ -65,6 +65,13 @@ class ModelConfig:
         rope_theta: positional encoding of the softmax-attention layers: None = none (NoPE, as in Kimi Linear's
             hybrid, where KDA and its short convolutions carry position); a base > 0 = rotary embeddings
             (10000 as in Llama 2), for transformers without KDA layers.
+        attn_window: None, or W >= 1: each softmax-attention layer attends to the last W tokens only (a sliding
+            window, the token itself included); KDA layers still read the whole sequence. With W the training
+            length, a model reads longer sequences through attention spans it trained on.
+        attn_logn_base: None, or n0 >= 2: log-n scaling of the softmax-attention queries, ``max(1, ln(p + 1) /
+            ln(n0))`` at position p (0-based), so that the attention logits grow with the log of the number of
+            keys beyond n0 and the softmax does not flatten over more keys than it saw in training (n0: the
+            training length; 1 at every shorter position, so training at n0 is unchanged).
         kda_g_min: lower bound of KDA's log-decay, ``g = g_min * sigmoid(.)``.
         kda_backend: ``auto`` | ``torch`` | ``triton`` | ``reference``.
         mlp_hidden: hidden width of the dense SwiGLU channel mixer.
@@ -121,6 +128,8 @@ class ModelConfig:
     n_heads: int = 4
     head_dim: int = 64
     rope_theta: float | None = None
+    attn_window: int | None = None
+    attn_logn_base: int | None = None
     kda_g_min: float = -5.0
     kda_backend: str = "auto"
     mlp_hidden: int = 768
@@ -160,6 +169,10 @@ class ModelConfig:
         if self.rope_theta is not None and not (self.rope_theta > 0 and self.head_dim % 2 == 0):
             raise bad("rope_theta", f"rotary embeddings need a base > 0 and an even head_dim (got {self.head_dim}); "
                                     "None turns them off")
+        if self.attn_window is not None and self.attn_window < 1:
+            raise bad("attn_window", "must be >= 1 token (e.g. the training seq_len), or null for full attention")
+        if self.attn_logn_base is not None and self.attn_logn_base < 2:
+            raise bad("attn_logn_base", "must be >= 2 positions (e.g. the training seq_len), or null for no scaling")
         if not self.layer_pattern or set(self.layer_pattern) - set(LAYER_TYPES):
             raise bad("layer_pattern", f"use only the letters {sorted(LAYER_TYPES)} (K = KDA, A = softmax attention)")
         try:
@@ -262,7 +275,8 @@ class K3LM(nn.Module):
                 mixer = KimiDeltaAttention(c.dim, c.n_heads, c.head_dim, c.kda_g_min, backend=c.kda_backend,
                                            norm_eps=c.norm_eps)
             else:
-                mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps, rope_theta=c.rope_theta)
+                mixer = SoftmaxAttention(c.dim, c.n_heads, c.head_dim, norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+                                         window=c.attn_window, logn_base=c.attn_logn_base)
             if c.is_moe(layer):
                 channel = MoE(c.dim, c.n_experts, c.top_k, c.expert_dim, c.n_shared_experts, c.balancer,
                               c.bias_update_rate, c.aux_loss_coef, c.capacity_factor, c.quantile_rate,

@@ -134,3 +134,23 @@ def test_default_lengths_are_1_4_and_16_times_the_training_length(tiny_ckpt, tmp
     assert [r["length"] for r in report["results"]] == [32, 128, 512]
     assert report["edges"] == [0, 32, 64, 128, 256, 512]
     assert np.isfinite([r["bpb"] for r in report["results"]]).all()
+
+
+def test_attention_window_and_logn_scaling_reach_the_model(tiny_ckpt, tmp_path, capsys):
+    """``--attn_window`` / ``--attn_logn_base`` at the training length change no bit of the scores (one window
+    holds the block; every position is below the base); at 4x they change the softmax layers' reading."""
+    runs = {}
+    for name, extra in (("as trained", []), ("reach", ["--attn_window", "32", "--attn_logn_base", "32"])):
+        out = tmp_path / f"{len(runs)}.json"
+        main(["positions", "--ckpt", str(tiny_ckpt), "--lengths", "32", "128", "--blocks", "2", "--json", str(out),
+              *extra])
+        runs[name] = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert "softmax attention over the last 32 tokens; queries scaled by log-n beyond 32 positions" in table
+    plain, reach = runs["as trained"], runs["reach"]
+    assert (plain["attn_window"], plain["attn_logn_base"]) == (None, None)
+    assert (reach["attn_window"], reach["attn_logn_base"]) == (32, 32)
+    assert reach["results"][0]["bpb"] == plain["results"][0]["bpb"]
+    assert reach["results"][1]["buckets"][2]["bpb"] != plain["results"][1]["buckets"][2]["bpb"]
+    # read in windows of 32 from an empty state, nothing reaches beyond the window or the base: the same scores
+    assert reach["results"][1]["bpb_window"] == plain["results"][1]["bpb_window"]
