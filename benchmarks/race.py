@@ -16,7 +16,9 @@ against ``val/elapsed_s`` gives the curve); at the end ``k3lit validate`` reads 
 batches with the last weights. Both recipes must share the data section's corpus and tokenizer, so the held-out
 blocks are the same bytes; gzip and xz are measured on those bytes too (:mod:`k3lit.train.reference_bpb`). With
 ``--positions L1 L2 ...`` each run's last weights also go through ``k3lit positions`` at those lengths (bits per
-byte by position bucket, up to and beyond the training length: extrapolation at equal training time).
+byte by position bucket, up to and beyond the training length: extrapolation at equal training time), and once
+more for each ``--positions_reading LABEL=ARGS`` with those ``k3lit positions`` arguments (e.g. ``window=--attn_window
+2048``: the softmax layers read through a sliding window of the training length).
 
 A ``--variant LABEL=RECIPE ARG...`` runs a recipe with more ``k3lit fit`` arguments (another batch, balancer or
 capacity), labelled; its final pass still reads the recipe's own batches, so every run is measured on the same
@@ -175,18 +177,42 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
           log=folder.with_suffix(".val.log"))
     val_rows = read_csv(Path(f"{folder}-val") / "metrics.csv")
     final = next(r for r in val_rows if r.get("val/loss"))
-    positions, positions_error = None, None
+    positions, positions_error, readings = None, None, {}
     if a.positions:  # extrapolation of the same weights: bpb by position bucket at longer lengths
         try:  # a failed pass is reported with the run, not in place of it
-            k3lit("positions", "--ckpt", str(folder / "checkpoints" / "last.ckpt"), "--lengths",
-                  *map(str, a.positions), "--blocks", str(a.positions_blocks), "--json",
-                  str(folder / "positions.json"), log=folder.with_suffix(".positions.log"))
-            positions = json.loads((folder / "positions.json").read_text())["results"]
+            for reading, extra in [("", []), *positions_readings(a)]:
+                stem = f"positions-{reading}" if reading else "positions"
+                k3lit("positions", "--ckpt", str(folder / "checkpoints" / "last.ckpt"), "--lengths",
+                      *map(str, a.positions), "--blocks", str(a.positions_blocks), *extra, "--json",
+                      str(folder / f"{stem}.json"), log=Path(f"{folder}.{stem}.log"))
+                results = json.loads((folder / f"{stem}.json").read_text())["results"]
+                if reading:
+                    readings[reading] = results
+                else:
+                    positions = results
         except RuntimeError as e:
             positions_error = str(e)
             print(positions_error, file=sys.stderr, flush=True)
     return {**record, "expert_load": expert_load(fit_rows, final), "final_val_loss": float(final["val/loss"]),
-            "positions": positions, **({"positions_error": positions_error} if positions_error else {})}
+            "positions": positions, **({"positions_readings": readings} if readings else {}),
+            **({"positions_error": positions_error} if positions_error else {})}
+
+
+def positions_readings(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """``--positions_reading LABEL=ARGS`` as ``[(label, k3lit positions arguments)]``.
+
+    Raises:
+        SystemExit: a reading without ``LABEL=`` or arguments, or two readings with one label.
+    """
+    out = []
+    for spec in a.positions_reading:
+        name, _, rest = spec.partition("=")
+        if not name or not shlex.split(rest):
+            raise SystemExit(f"--positions_reading {spec!r}: write LABEL=ARGS, e.g. 'window=--attn_window 2048'")
+        out.append((name, shlex.split(rest)))
+    if len({name for name, _ in out}) < len(out):
+        raise SystemExit(f"--positions_reading: each label once, got {[name for name, _ in out]}")
+    return out
 
 
 def expert_load(fit_rows: list[dict[str, str]], final: dict[str, str]) -> dict | None:
@@ -397,6 +423,7 @@ def positions_table(result: dict) -> list[str]:
     runs = [r for r in result["runs"] if r.get("positions")]
     if not runs:
         return []
+    readings = sorted({k for r in runs for k in r.get("positions_readings", {})})
     lines = ["", "The same final weights through `k3lit positions`: held-out bits per byte by position on the "
                  "split's first blocks of each length (documents packed as in training, KDA state and attention "
                  "running across their boundaries); `in windows`: the last bucket's bytes read in windows of the "
@@ -404,12 +431,15 @@ def positions_table(result: dict) -> list[str]:
              "| run | seed | length | blocks | all positions | first bucket | last bucket | last / first | "
              "last bucket in windows | last / in windows |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        for p in r["positions"]:
+    rows = [(f"`{label(r)}`", r, r["positions"]) for r in runs]
+    rows += [(f"`{label(r)}` read with `{k}`", r, r["positions_readings"][k])
+             for k in readings for r in runs if k in r.get("positions_readings", {})]
+    for name, r, results in rows:
+        for p in results:
             filled = [b for b in p["buckets"] if b["bpb"] is not None]
             first, last = filled[0], filled[-1]
             windowed = last.get("bpb_window")
-            lines.append(f"| `{label(r)}` | {r['seed']} | {p['length']:,} | {p['blocks']} | "
+            lines.append(f"| {name} | {r['seed']} | {p['length']:,} | {p['blocks']} | "
                          f"{p['bpb']:.4f} | {first['bpb']:.4f} ({first['start']:,}-{first['end']:,}) | "
                          f"{last['bpb']:.4f} ({last['start']:,}-{last['end']:,}) | {last['bpb'] / first['bpb']:.3f} | "
                          + (f"{windowed:.4f} | {last['bpb'] / windowed:.3f} |" if windowed else "- | - |"))
@@ -445,6 +475,7 @@ def race(a: argparse.Namespace) -> dict:
         SystemExit: the recipes' data sections differ (their held-out bytes would too).
     """
     runs = entrants(a)
+    positions_readings(a)  # a malformed reading stops the race before its first run
     datas = {json.dumps(yaml.safe_load((ROOT / r).read_text())["data"], sort_keys=True) for _, r, _ in runs}
     if len(datas) > 1:
         raise SystemExit("--recipes: their data sections differ, so their held-out bytes would too")
@@ -486,6 +517,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--positions", type=int, nargs="*", default=[],
                    help="after each run, `k3lit positions` of its weights at these lengths (e.g. 2048 8192 32768)")
     p.add_argument("--positions_blocks", type=int, default=4, help="held-out blocks of each --positions length")
+    p.add_argument("--positions_reading", action="append", default=[],
+                   help="LABEL=ARGS: also `k3lit positions` with these arguments (quoted as one string; e.g. "
+                        "'window=--attn_window 2048'); repeatable")
     p.add_argument("--out", default="runs/race", help="folder of the runs")
     p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
     p.add_argument("--json", help="write the raw runs here")

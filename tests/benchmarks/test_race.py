@@ -34,7 +34,8 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     a = parser().parse_args(["--recipes", k3, plain, "--seeds", "7", "--minutes", "0.1", "--val_every", "2",
                              "--val_batches", "2", "--final_batches", "3", "--out", str(tmp_path / "runs"),
                              "--json", str(tmp_path / "race.json"), "--positions", "32", "64", "--positions_blocks",
-                             "2", "--variant", f"k3_b4={k3} --data.batch_size=4 --model.capacity_factor=1.0"])
+                             "2", "--positions_reading", "w8=--attn_window 8", "--variant",
+                             f"k3_b4={k3} --data.batch_size=4 --model.capacity_factor=1.0"])
     result = race(a)
     ref = result["same_bytes"]
     assert ref["blocks"] == 6 and ref["bytes"] == 6 * 33  # 3 batches of 2 blocks of 33 byte tokens
@@ -62,7 +63,7 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     # runs, the MoE runs' worst-layer rows and per-layer rows (4 measures each), positions rows, and the per-step
     # rows (which runs' curves crossed is the data's: test_steps_to_a_bpb_interpolate_between_validations)
     crossed = sum(x.startswith("| `") for x in per_step(result["runs"]))
-    assert text.count("| 7 | ") == 3 + 2 + 2 * 4 + 6 + crossed
+    assert text.count("| 7 | ") == 3 + 2 + 2 * 4 + 6 + 6 + crossed
     assert "| `k3_b4` | 7 | re-routed | " in text and "| `plain` | 7 | p95 |" not in text
     for r in (k3_run, variant):  # the fit's last load heatmap, beside the raw JSON and named in the table
         assert (tmp_path / r["expert_load_png"]).stat().st_size > 1_000 and r["expert_load_png"] in text
@@ -75,7 +76,12 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     for r in result["runs"]:  # the final weights at the training length and twice it, position by position
         assert [(p["length"], p["blocks"]) for p in r["positions"]] == [(32, 2), (64, 2)]
         assert [b["start"] for b in r["positions"][1]["buckets"]] == [0, 32]
-    assert text.count("| 7 | 64 | 2 |") == 3  # a positions row per run and length
+    assert text.count("| 7 | 64 | 2 |") == 3 + 3  # a positions row per run and length, as trained and with w8
+    for r in result["runs"]:  # the softmax layers through 8-token windows: the same bytes, other scores
+        for trained, windowed in zip(r["positions"], r["positions_readings"]["w8"]):
+            assert windowed["length"] == trained["length"] and windowed["bpb"] != trained["bpb"]
+        w_long = r["positions_readings"]["w8"][1]
+        assert f"| `{r['label']}` read with `w8` | 7 | 64 | 2 | {w_long['bpb']:.4f} |" in text
     for r in result["runs"]:  # at twice the training length: the last bucket over the same bytes in 32-token windows
         last = r["positions"][1]["buckets"][-1]
         assert r["positions"][1]["window"] == 32 and last["bpb_window"] > 0
@@ -233,3 +239,13 @@ def test_steps_to_a_bpb_interpolate_between_validations():
     # only plain reaching k3's 0.70: k3 never reached plain's 0.55, and seed 2 has no other label's run
     assert [x for x in lines if x.startswith("| `")] == ["| `k3` | 1 | 0.7000 | 100 | `plain` | 150 | 1.50 |"]
     assert per_step(runs[1:]) == []
+
+
+def test_a_malformed_positions_reading_stops_the_race_before_it_starts():
+    a = parser().parse_args(["--positions", "64", "--positions_reading", "--attn_window 8"])
+    with pytest.raises(SystemExit, match="write LABEL=ARGS"):
+        race(a)
+    a = parser().parse_args(["--positions", "64", "--positions_reading", "w=--attn_window 8",
+                             "--positions_reading", "w=--attn_logn_base 8"])
+    with pytest.raises(SystemExit, match="each label once"):
+        race(a)
