@@ -71,10 +71,14 @@ def test_plain_residual_runs_and_differs(seed):
     assert logits.shape == (2, 9, 50) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("residual,rope_theta", [("plain", None), ("block_attnres", None), ("full_attnres", None),
-                                                ("block_attnres", 100.0)])
-def test_incremental_decoding_equals_full_forward(seed, residual, rope_theta):
-    model = build(residual=residual, rope_theta=rope_theta).eval()
+@pytest.mark.parametrize("residual,rope_theta,reach", [
+    ("plain", None, {}), ("block_attnres", None, {}), ("full_attnres", None, {}), ("block_attnres", 100.0, {}),
+    ("block_attnres", None, dict(attn_window=6)), ("block_attnres", None, dict(attn_logn_base=8)),
+    ("block_attnres", 100.0, dict(attn_window=6, attn_logn_base=8))])
+def test_incremental_decoding_equals_full_forward(seed, residual, rope_theta, reach):
+    """Prefill, then one token at a time, against one forward; with a window and log-n scaling too (40 tokens
+    reach beyond both, and the cached keys count in a new token's position)."""
+    model = build(residual=residual, rope_theta=rope_theta, **reach).eval()
     idx = torch.randint(0, 50, (2, 40))
     full, _ = model(idx)
     logits, states = model(idx[:, :13], return_state=True)
