@@ -384,6 +384,22 @@ def prepare_main(argv: list[str]) -> None:
     print(dm.describe())
 
 
+def _add_reach_arguments(parser: ArgumentParser) -> None:
+    """``--attn_window`` and ``--attn_logn_base``: how the softmax-attention layers read a sequence longer than the
+    training length (:class:`~k3lit.model.ModelConfig`'s ``attn_window`` and ``attn_logn_base``)."""
+    parser.add_argument("--attn_window", type=int | None, default=None,
+                        help="the softmax-attention layers attend to the last N tokens only (model.attn_window; "
+                             "e.g. the training seq_len); default: the checkpoint's setting")
+    parser.add_argument("--attn_logn_base", type=int | None, default=None,
+                        help="log-n scaling of the softmax-attention queries beyond N positions "
+                             "(model.attn_logn_base; e.g. the training seq_len); default: the checkpoint's setting")
+
+
+def _reach(args: Any) -> dict[str, int]:
+    """The :func:`_add_reach_arguments` given on the command line, as model fields."""
+    return {k: getattr(args, k) for k in ("attn_window", "attn_logn_base") if getattr(args, k) is not None}
+
+
 def _checkpoint_model(ckpt: dict, **runtime: Any) -> K3LM:
     """The K3LM of a loaded checkpoint (:func:`load_model_checkpoint`) on the CPU in eval mode, with ``runtime``
     :data:`~k3lit.model.RUNTIME_FIELDS` of its config replaced (e.g. ``activation_checkpointing="none"``)."""
@@ -419,10 +435,11 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--compile", type=bool, default=False,
                         help="compile the decoding step (torch.compile, the key/value cache length symbolic); its "
                              "first steps compile, which --stats' untimed pass takes out of the timing")
+    _add_reach_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     ckpt = load_model_checkpoint(args.ckpt)
-    model = _checkpoint_model(ckpt).to(args.device)
+    model = _checkpoint_model(ckpt, **_reach(args)).to(args.device)
     if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
@@ -479,12 +496,7 @@ def positions_main(argv: list[str]) -> None:
     parser.add_argument("--window", type=int | None, default=None,
                         help="also read every block in windows of this many tokens, each from an empty state, to "
                              "score the same bytes without the longer context; default the training seq_len")
-    parser.add_argument("--attn_window", type=int | None, default=None,
-                        help="the softmax-attention layers attend to the last N tokens only (model.attn_window; "
-                             "e.g. the training seq_len); default: the checkpoint's setting")
-    parser.add_argument("--attn_logn_base", type=int | None, default=None,
-                        help="log-n scaling of the softmax-attention queries beyond N positions "
-                             "(model.attn_logn_base; e.g. the training seq_len); default: the checkpoint's setting")
+    _add_reach_arguments(parser)
     for key, kind in (("corpus", str | list[str] | None), ("tokenizer", str | None), ("cache_dir", str | None),
                       ("val_fraction", float | None)):
         parser.add_argument(f"--data.{key}", type=kind, default=None, help=f"default: the checkpoint's data.{key}")
@@ -507,9 +519,8 @@ def positions_main(argv: list[str]) -> None:
     prepared = K3DataModule(**data).prepared
     pos.check_same_tokenizer(prepared.tokenizer, ckpt.get(K3DataModule.__qualname__))
     device = torch.device(args.device)
-    reach = {k: v for k, v in (("attn_window", args.attn_window), ("attn_logn_base", args.attn_logn_base))
-             if v is not None}
-    model = _checkpoint_model(ckpt, activation_checkpointing="none", checkpoint_blocks=None, **reach).to(device)
+    model = _checkpoint_model(ckpt, activation_checkpointing="none", checkpoint_blocks=None, **_reach(args))
+    model = model.to(device)
     byte_table = torch.from_numpy(prepared.tokenizer.token_bytes()).to(device)
     bf16 = (args.precision or ("bf16-mixed" if device.type == "cuda" else "32-true")) == "bf16-mixed"
     results = []

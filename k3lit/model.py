@@ -67,7 +67,8 @@ class ModelConfig:
             (10000 as in Llama 2), for transformers without KDA layers.
         attn_window: None, or W >= 1: each softmax-attention layer attends to the last W tokens only (a sliding
             window, the token itself included); KDA layers still read the whole sequence. With W the training
-            length, a model reads longer sequences through attention spans it trained on.
+            length, a model reads longer sequences through attention spans it trained on, and decoding keeps a
+            key/value cache of W - 1 positions.
         attn_logn_base: None, or n0 >= 2: log-n scaling of the softmax-attention queries, ``max(1, ln(p + 1) /
             ln(n0))`` at position p (0-based), so that the attention logits grow with the log of the number of
             keys beyond n0 and the softmax does not flatten over more keys than it saw in training (n0: the

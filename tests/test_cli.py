@@ -172,6 +172,10 @@ def test_generate_from_checkpoint(tmp_path, cache, monkeypatch, capsys):
     greedy = [*gen, "--prompt_tokens", "40"]
     main(greedy)
     eager = capsys.readouterr().out
+    main([*greedy, "--attn_window", "64", "--attn_logn_base", "64"])  # beyond the 45 positions: the same tokens
+    assert capsys.readouterr().out == eager
+    main([*greedy, "--attn_window", "8", "--attn_logn_base", "16"])  # an 8-token window: a cache of 7 positions
+    assert capsys.readouterr().out.startswith("import os\n" * 4)
     main([*greedy, "--compile", "true", "--stats", "true"])  # the decoding step through inductor: the same tokens
     out = capsys.readouterr()
     assert out.out == eager and "32-true, decoding step compiled, after an untimed pass" in out.err

@@ -100,15 +100,17 @@ def test_greedy_generation_equals_recompute(seed):
     assert torch.equal(out, seq)
 
 
-def test_compiled_decoding_samples_what_eager_decoding_does(seed):
+@pytest.mark.parametrize("reach", [{}, dict(attn_window=6, attn_logn_base=6)])
+def test_compiled_decoding_samples_what_eager_decoding_does(seed, reach):
     """``compile_decode``: the same greedy tokens as the eager loop; the growing key/value caches (symbolic
     length) compile no new graph after the first steps, and a second call reuses the compiled module. No MoE
     layer: on the CPU the experts' fallback loop reads each group's size on the host (a graph break); on CUDA
-    ``grouped_mm`` takes the whole batch."""
+    ``grouped_mm`` takes the whole batch. Under a window of 6 the caches stop growing at 5 positions and their
+    start moves instead; the first 3 new tokens already pass the window and the log-n base."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    model = build(n_experts=0).eval()
+    model = build(n_experts=0, **reach).eval()
     prompt = torch.randint(0, 50, (2, 5))
     want = model.generate(prompt, max_new_tokens=12, temperature=0)
     counters.clear()

@@ -18,10 +18,18 @@ from k3lit.ops.rope import rotary
 
 @dataclass
 class KVCache:
-    """Keys and values seen so far, ``[B, H, T_past, head_dim]`` each."""
+    """Keys and values of the positions ``start .. start + T_kept - 1``, ``[B, H, T_kept, head_dim]`` each: every
+    position seen so far (``start`` 0), or under a window of W only the last ``W - 1``, all that a later token
+    can see, so decoding holds a fixed-size cache."""
 
     k: torch.Tensor
     v: torch.Tensor
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        """The position of the next token: how many tokens the sequence has seen."""
+        return self.start + self.k.shape[2]
 
 
 class SoftmaxAttention(nn.Module):
@@ -40,7 +48,8 @@ class SoftmaxAttention(nn.Module):
             cached ones included) is scaled by ``max(1, ln(p + 1) / ln(n0))`` (:func:`logn_scale`).
 
     ``forward(x [B, T, D], cache: KVCache | None, return_state, docs) -> (y [B, T, D], KVCache | None)``.
-    With a cache, the new tokens attend to every cached token and causally among themselves. With ``docs``
+    With a cache, the new tokens attend to every cached token (within the window) and causally among
+    themselves; the returned cache keeps the last ``window - 1`` positions under a window. With ``docs``
     (:class:`~k3lit.nn.documents.Documents` of the batch) a token attends only to its own document
     (:meth:`~k3lit.nn.documents.Documents.attention_mask`; rotary angles stay those of the sequence position,
     which changes no logit, as they depend on the distance only).
@@ -70,7 +79,7 @@ class SoftmaxAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)  # QK-norm keeps NoPE logits bounded
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, hd]
-        t_past = 0 if cache is None else cache.k.shape[2]
+        t_past = 0 if cache is None else cache.end  # the first new token's position
         if self.rope_theta is not None:  # the cache holds rotated keys
             q, k = rotary(q, t_past, self.rope_theta), rotary(k, t_past, self.rope_theta)
         if self.logn_base is not None and t_past + T > self.logn_base:
@@ -89,10 +98,13 @@ class SoftmaxAttention(nn.Module):
         elif t_past == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # new token i sees all cached tokens and new tokens j <= i
-            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=t_past)
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=k.shape[2] - T)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        return y, (KVCache(k, v) if (return_state or cache is not None) else None)
+        if not (return_state or cache is not None):
+            return y, None
+        keep = k.shape[2] if self.window is None else min(k.shape[2], self.window - 1)
+        return y, KVCache(k[:, :, k.shape[2] - keep:], v[:, :, k.shape[2] - keep:], t_past + T - keep)
 
 
 def logn_scale(start: int, length: int, base: int, device: torch.device | None = None) -> torch.Tensor:

@@ -134,3 +134,19 @@ def test_an_attention_model_with_a_window_forgets_tokens_beyond_it(seed):
 def test_config_rejects_windows_and_bases_too_small(field, value):
     with pytest.raises(ValueError, match=f"ModelConfig.{field}={value}"):
         dataclasses.replace(TINY, **{field: value})
+
+
+def test_decoding_under_a_window_keeps_a_cache_of_window_minus_one_positions(seed):
+    attn = layer(window=4, logn_base=4)
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    full = attn(x)[0]
+    y, cache = attn(x[:, :10], return_state=True)
+    assert (cache.k.shape[2], cache.start, cache.end) == (3, 7, 10)
+    pieces = [y]
+    for t in (10, 11):
+        y, cache = attn(x[:, t:t + 1], cache)
+        assert (cache.k.shape[2], cache.end) == (3, t + 1)
+        pieces.append(y)
+    assert rel_rms(torch.cat(pieces, 1), full) < 1e-6
+    _, unbounded = layer()(x[:, :10], return_state=True)
+    assert (unbounded.k.shape[2], unbounded.start) == (10, 0)
