@@ -150,3 +150,13 @@ def test_decoding_under_a_window_keeps_a_cache_of_window_minus_one_positions(see
     assert rel_rms(torch.cat(pieces, 1), full) < 1e-6
     _, unbounded = layer()(x[:, :10], return_state=True)
     assert (unbounded.k.shape[2], unbounded.start) == (10, 0)
+
+
+def test_window_and_logn_compile_as_one_graph(seed):
+    """Training under a window shorter than the sequence (and the scale past its base): the query chunks and the
+    masks trace into one graph that computes what the eager layer does."""
+    torch._dynamo.reset()
+    attn = layer(window=8, logn_base=8).float()
+    x = torch.randn(2, 24, 32)
+    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x)[0], attn(x)[0], rtol=1e-5, atol=1e-6)
