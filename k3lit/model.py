@@ -44,7 +44,8 @@ _SAVED_OPS = {
 }
 BALANCERS = ("quantile", "quantile_hist", "aux_free", "aux_loss", "none")
 # ModelConfig fields a run may change when it loads a checkpoint (``--ckpt_path``): how the same function is
-# computed (recomputation, KDA implementation) and the balancers' training knobs. Every other field shapes the
+# computed (recomputation, KDA implementation), the balancers' training knobs, and how the softmax-attention layers
+# read beyond the training length (window, log-n scaling: no change below it). Every other field shapes the
 # parameters and buffers or what the trained weights compute, so it is taken from the checkpoint.
 RUNTIME_FIELDS = ("activation_checkpointing", "checkpoint_blocks", "kda_backend", "bias_update_rate", "aux_loss_coef",
                   "capacity_factor", "capacity_mode", "quantile_rate", "balancer_sync_every", "document_masking",
