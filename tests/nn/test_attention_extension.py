@@ -160,3 +160,19 @@ def test_window_and_logn_compile_as_one_graph(seed):
     x = torch.randn(2, 24, 32)
     compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x)[0], attn(x)[0], rtol=1e-5, atol=1e-6)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T,cached,window", [(4096, 0, 1024), (3000, 0, 2048), (1, 2047, 2048), (16, 4000, 512)])
+def test_gpu_bf16_windowed_attention_follows_float64(seed, T, cached, window):
+    """SDPA's bf16 kernels with the band masks, at lengths of several windows and in decoding, against the same
+    attention in float64 on the same bf16 inputs."""
+    q = torch.randn(1, 4, T, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 4, cached + T, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want = attention_written_out(q.double(), k.double(), v.double(), band(T, cached + T, window).cuda())
+    got = windowed_attention(q, k, v, window)
+    assert got.dtype == torch.bfloat16 and rel_rms(got.double(), want) < 1e-2
