@@ -94,6 +94,32 @@ def _fwd(x_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, W: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
+def _p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, s, c, c0, T, C, W: tl.constexpr, PARTS: tl.constexpr,
+       STRADDLE: tl.constexpr):
+    """``p = dy · silu'(pre)`` at times ``s [BT]`` and channels ``c [BC]`` (the tile's first ``c0``) of sequence
+    ``b``, float32 (0 where s >= T, as dy is there)."""
+    m = (s < T)[:, None] & (c < C)[None, :]
+    # dy first: its pointers are dead before pre's are formed (sm_90a, triton 3.6: 160 registers a thread at 64 x 64
+    # tiles, 3 blocks an SM, against 188 and 2 with pre first; benchmarks/kernel_resources.py)
+    dy = tl.load(_part_ptrs(dy_ptr, dy1_ptr, dy2_ptr, b, s, c, c0, T, C, PARTS, STRADDLE), mask=m,
+                 other=0.0).to(tl.float32)
+    pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
+    sig = tl.sigmoid(pre)
+    return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
+def _store_dw_part(x_ptr, dw_part_ptr, p, b, s, c, row, T, C, W: tl.constexpr):
+    """Row ``row`` of the ``dw`` partials: ``Σ_s p[s] x[s - (W-1) + j]`` over the tile's times, per channel and tap."""
+    cmask = c < C
+    for j in tl.static_range(W):
+        src = s - (W - 1) + j
+        mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
+        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
+        tl.store(dw_part_ptr + (row * C + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
+
+
+@triton.jit
 def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr,
            BC: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr, STRADDLE: tl.constexpr):
     """``p = dy · silu'(pre)`` (float32, stored) and this program's ``dw`` partial ``Σ_s p[s] x[s - (W-1) + j]``."""
@@ -102,22 +128,9 @@ def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: 
         b = b.to(tl.int64)
     s = pt * BT + tl.arange(0, BT)
     c = pc * BC + tl.arange(0, BC)
-    cmask = c < C
-    m = (s < T)[:, None] & cmask[None, :]
-    # dy first: its pointers are dead before pre's are formed (sm_90a, triton 3.6: 160 registers a thread at 64 x 64
-    # tiles, 3 blocks an SM, against 188 and 2 with pre first; benchmarks/kernel_resources.py)
-    dy = tl.load(_part_ptrs(dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, PARTS, STRADDLE), mask=m,
-                 other=0.0).to(tl.float32)
-    pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
-    sig = tl.sigmoid(pre)
-    p = dy * sig * (1.0 + pre * (1.0 - sig))
-    tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=m)
-    row = (b * tl.num_programs(0) + pt) * C
-    for j in tl.static_range(W):
-        src = s - (W - 1) + j
-        mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
-        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
-        tl.store(dw_part_ptr + (row + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
+    p = _p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, W, PARTS, STRADDLE)
+    tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=(s < T)[:, None] & (c < C)[None, :])
+    _store_dw_part(x_ptr, dw_part_ptr, p, b, s, c, b * tl.num_programs(0) + pt, T, C, W)
 
 
 @triton.jit
@@ -135,12 +148,7 @@ def _bwd_one_pass(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, dx_ptr, dw_part_ptr, T
     s = pt * own + i
     c = pc * BC + tl.arange(0, BC)
     cmask = c < C
-    m = (s < T)[:, None] & cmask[None, :]
-    dy = tl.load(_part_ptrs(dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, PARTS, STRADDLE), mask=m,
-                 other=0.0).to(tl.float32)
-    pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
-    sig = tl.sigmoid(pre)
-    p = dy * sig * (1.0 + pre * (1.0 - sig))  # 0 at s >= T, where dy is
+    p = _p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, W, PARTS, STRADDLE)
     dx = tl.zeros((BT, BC), dtype=tl.float32)
     for j in tl.static_range(W):
         wj = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
@@ -149,15 +157,9 @@ def _bwd_one_pass(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, dx_ptr, dw_part_ptr, T
         else:  # rows i < own read i + W-1-j < BT; the clamp only serves rows that are not stored
             up = tl.minimum(i + (W - 1 - j), BT - 1)[:, None] + tl.zeros((BT, BC), dtype=tl.int32)
             dx += wj[None, :] * tl.gather(p, up, 0)
-    mo = m & (i < own)[:, None]
+    mo = ((s < T) & (i < own))[:, None] & cmask[None, :]
     tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mo)
-    p = tl.where(mo, p, 0.0)
-    row = (b * tl.num_programs(0) + pt) * C
-    for j in tl.static_range(W):
-        src = s - (W - 1) + j
-        mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
-        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
-        tl.store(dw_part_ptr + (row + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
+    _store_dw_part(x_ptr, dw_part_ptr, tl.where(mo, p, 0.0), b, s, c, b * tl.num_programs(0) + pt, T, C, W)
 
 
 @triton.jit
