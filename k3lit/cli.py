@@ -533,13 +533,12 @@ def positions_main(argv: list[str]) -> None:
     across = ("each document restarts KDA state and attention (document_masking)" if model.config.document_masking
               else "KDA state and attention run across document boundaries within a block")
     c = model.config
-    if c.attn_window is not None or c.attn_logn_base is not None:
-        across += (f"; softmax attention over the last {c.attn_window} tokens" if c.attn_window else "") + (
-            f"; queries scaled by log-n beyond {c.attn_logn_base} positions" if c.attn_logn_base else "")
+    reach = (f"; softmax attention over the last {c.attn_window} tokens" if c.attn_window else "") + (
+        f"; queries scaled by log-n beyond {c.attn_logn_base} positions" if c.attn_logn_base else "")
     print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "
           f"{prepared.root / 'val'}\n(packed documents joined by eos, read as blocks of length + 1 tokens in file "
-          f"order; {across}, as in training; 'in W': the same bytes read in windows of W tokens, each from an "
-          "empty state)")
+          f"order; {across}, as in training{reach}; 'in W': the same bytes read in windows of W tokens, each from "
+          "an empty state)")
     print(pos.format_table(results))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

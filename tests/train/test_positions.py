@@ -146,7 +146,9 @@ def test_attention_window_and_logn_scaling_reach_the_model(tiny_ckpt, tmp_path, 
               *extra])
         runs[name] = json.loads(out.read_text())
     table = capsys.readouterr().out
-    assert "softmax attention over the last 32 tokens; queries scaled by log-n beyond 32 positions" in table
+    # the reading's changes follow "as in training", which describes the packing only
+    assert ("as in training; softmax attention over the last 32 tokens; queries scaled by log-n beyond 32 "
+            "positions; 'in W'") in table
     plain, reach = runs["as trained"], runs["reach"]
     assert (plain["attn_window"], plain["attn_logn_base"]) == (None, None)
     assert (reach["attn_window"], reach["attn_logn_base"]) == (32, 32)
