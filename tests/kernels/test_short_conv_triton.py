@@ -25,6 +25,7 @@ def backward(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.gpu  # also on the CPU: the GPU suite compiles both backward forms for the device
 @pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3)])
 def test_forward_and_gradients_match_float64(seed, backward, B, T, C, W):
     x = torch.randn(B, T, C, device=DEV, requires_grad=True)
@@ -67,6 +68,7 @@ def test_three_parts_are_the_channel_groups_to_the_bit(seed, backward, B, T, C):
         short_conv_silu_triton(x[..., :-1], w[:-1], 3)
 
 
+@pytest.mark.gpu  # also on the CPU: on the GPU the two forms' compiled code must agree too
 @pytest.mark.parametrize("B,T,C,W,parts", [(2, 150, 3 * 32, 4, 3), (1, 61, 8, 4, 1), (1, 62, 3 * 40, 4, 3),
                                             (2, 2, 12, 4, 1), (1, 130, 40, 2, 1)])
 def test_one_pass_backward_gives_the_two_pass_dx_bits(seed, monkeypatch, B, T, C, W, parts):
