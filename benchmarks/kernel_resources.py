@@ -114,7 +114,7 @@ def _short_conv(B: int, T: int, C: int, backward: str = "two_pass") -> list[aot.
 
 def configs() -> dict[str, list[aot.Launch]]:
     """Benchmark shapes (bf16 unless named): KDA at B4·T4096·H16·K128 (plain inputs, and with the gate
-    and q/k L2 norm fused) and at ``small``'s B16·T2048·H12·K64 (fused, with two launch settings), fla's
+    and q/k L2 norm fused) and at ``small``'s B16·T2048·H12·K64 (fused, with three launch settings), fla's
     B1·T8192·H32·K256 shape, and float32 inputs; the scan kernels at two more
     shapes, so that both state layouts of both scans are compiled (``plan._scan_plan`` picks them by shape), and
     the forward alternatives of ``plan.TUNING`` that change kernels;
@@ -130,6 +130,8 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=64 (`small`), `_main_bwd` on 8 warps, `_prep_fwd` on 2": _kda(
             16, 2048, 12, 64, 64, True, True, only=("_prep_fwd", "_main_bwd"),
             tuning=dict(main_bwd_warps=8, prep_warps=2)),
+        "KDA K=V=64 (`small`), `_main_bwd` keeping its key results in registers": _kda(
+            16, 2048, 12, 64, 64, True, True, only=("_main_bwd",), tuning=dict(main_bwd_keep="registers")),
         "KDA K=V=256": _kda(1, 8192, 32, 256, 256, False, False),
         "KDA K=V=128, float32 inputs (3xTF32 products)": _kda(1, 4096, 16, 128, 128, False, False, torch.float32),
         "KDA K=V=256, float32 inputs, B1 H96": _kda(1, 2048, 96, 256, 256, False, False, torch.float32),

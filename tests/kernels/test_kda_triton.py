@@ -657,6 +657,44 @@ def test_fused_gate_and_l2norm_match_reference(seed, B, T, H, K, V, gate, l2):
     assert_errors(run_fused(B, T, H, K, V, gate=gate, l2=l2), FUSED_TOL)
 
 
+@pytest.mark.gpu  # also on the CPU: on the GPU both forms' compiled code must agree too
+@pytest.mark.parametrize("B,T,H,K,V,gate,l2,lens", [
+    (1, 150, 2, 64, 64, True, True, None),  # `small`'s K = V = 64 (one key block), both fusions, 3 chunks
+    (1, 45, 2, 24, 40, False, False, None),  # raw g, K narrower than its block
+    (1, 45, 1, 16, 16, True, False, None),
+    (1, 45, 1, 16, 16, False, True, None),
+    (1, 100, 1, 32, 32, True, True, [0, 37, 100]),  # varlen: a chunk crossing a sequence start
+    (1, 33, 1, 80, 20, True, True, None),  # two key blocks: "registers" falls back to the scratch
+])
+def test_main_bwd_keeps_key_results_in_registers_or_scratch_alike(seed, monkeypatch, B, T, H, K, V, gate, l2, lens):
+    """``plan.TUNING["main_bwd_keep"]``: ``_main_bwd``'s pass-1 results (and the L2 norm's dq̂, dk̂) kept in registers
+    where K fits one key block give the gradients of the float32 scratch round trip bit for bit."""
+    from k3lit.kernels.kda import kda_triton
+
+    cu = None if lens is None else torch.tensor(lens, device=DEV, dtype=torch.int32)
+    g_min = -5.0
+    q, k = torch.randn(B, T, H, K, device=DEV) * 3, torch.randn(B, T, H, K, device=DEV) * 0.3
+    if not l2:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    e = torch.randn(B, T, H, K, device=DEV) * 2
+    if not gate:
+        e = g_min * torch.sigmoid(e)
+    inputs = [q, k, torch.randn(B, T, H, V, device=DEV), e, torch.sigmoid(torch.randn(B, T, H, device=DEV)),
+              torch.randn(len(lens) - 1 if lens else B, H, K, V, device=DEV) * 0.5, torch.randn(H * K, device=DEV)]
+    do = torch.randn(B, T, H, V, device=DEV)
+    grads = {}
+    for keep in ("scratch", "registers"):
+        monkeypatch.setitem(plan.TUNING, "main_bwd_keep", keep)
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        o, ht = kda_triton(*xs[:5], None, xs[5], True, cu, g_min=g_min, use_gate_in_kernel=gate,
+                           gate_bias=xs[6] if gate else None, use_qk_l2norm_in_kernel=l2)
+        (o * do).sum().add(ht.sum()).backward()
+        grads[keep] = [x.grad for x in xs if x.grad is not None]
+    assert len(grads["scratch"]) == (7 if gate else 6)
+    for a, b in zip(grads["scratch"], grads["registers"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("e_shift", [30.0, -30.0])
 def test_fused_gate_saturated(seed, e_shift):
     """e + bias far above 0: g at g_min (exponents at their bound, sigmoid' ~ 0); far below: g = 0."""
