@@ -131,9 +131,8 @@ def _main_bwd(
     With ``GATE`` the stored gradient is that of the pre-activation e: dg * g_min * sigmoid(x) sigmoid(-x),
     x = e + bias (= s (1 - s), relative accuracy kept where s rounds to 1). With ``L2`` pass 2 works on the
     normalised q̂, k̂ (reciprocal norms ``rnq``, ``rnk``), keeps dq̂, dk̂ in ``s_dq``, ``s_dk`` (``KEEP``: in
-    registers) and
-    the row sums q̂·dq̂, k̂·dk̂; pass 3 applies the norm's backward dx = r (dx̂ - x̂ (x̂·dx̂)) (no projection where
-    the norm was clamped at 1e-12, as F.normalize).
+    registers) and the row sums q̂·dq̂, k̂·dk̂; pass 3 applies the norm's backward dx = r (dx̂ - x̂ (x̂·dx̂)) (no
+    projection where the norm was clamped at 1e-12, as F.normalize).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, t0, n_valid = _chunk_bounds(cu, cidx, i_c, C)
