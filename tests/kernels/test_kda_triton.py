@@ -657,7 +657,7 @@ def test_fused_gate_and_l2norm_match_reference(seed, B, T, H, K, V, gate, l2):
     assert_errors(run_fused(B, T, H, K, V, gate=gate, l2=l2), FUSED_TOL)
 
 
-@pytest.mark.gpu  # also on the CPU: on the GPU both forms' compiled code must agree too
+@pytest.mark.gpu  # also on the CPU: the interpreter's bits, and on the GPU the compiled code's rounding
 @pytest.mark.parametrize("B,T,H,K,V,gate,l2,lens", [
     (1, 150, 2, 64, 64, True, True, None),  # `small`'s K = V = 64 (one key block), both fusions, 3 chunks
     (1, 45, 2, 24, 40, False, False, None),  # raw g, K narrower than its block
@@ -668,7 +668,10 @@ def test_fused_gate_and_l2norm_match_reference(seed, B, T, H, K, V, gate, l2):
 ])
 def test_main_bwd_keeps_key_results_in_registers_or_scratch_alike(seed, monkeypatch, B, T, H, K, V, gate, l2, lens):
     """``plan.TUNING["main_bwd_keep"]``: ``_main_bwd``'s pass-1 results (and the L2 norm's dq̂, dk̂) kept in registers
-    where K fits one key block give the gradients of the float32 scratch round trip bit for bit."""
+    where K fits one key block give the gradients of the float32 scratch round trip: bit for bit in the interpreter,
+    which runs the same float32 operations in the same order; compiled for a GPU, where the two forms' code may
+    contract or order a few products otherwise, within float32 rounding (relative RMS 5e-6 at ``small``'s shape,
+    ``benchmarks/kda_tuning.py``). K = 80 spans two key blocks, so both settings run the scratch form: the same bits."""
     from k3lit.kernels.kda import kda_triton
 
     cu = None if lens is None else torch.tensor(lens, device=DEV, dtype=torch.int32)
@@ -692,7 +695,7 @@ def test_main_bwd_keeps_key_results_in_registers_or_scratch_alike(seed, monkeypa
         grads[keep] = [x.grad for x in xs if x.grad is not None]
     assert len(grads["scratch"]) == (7 if gate else 6)
     for a, b in zip(grads["scratch"], grads["registers"], strict=True):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) if DEV == "cpu" or K > 64 else rel_rms(b, a) < 1e-5
 
 
 @pytest.mark.parametrize("e_shift", [30.0, -30.0])

@@ -15,16 +15,18 @@ import triton
 
 from k3lit.kernels import gpu
 
-#: Launch settings; each default is the fastest alternative timed on the H200 (docs/DECISIONS.md, "KDA kernels";
-#: ``benchmarks/kda_tuning.py`` times alternatives).
+#: Launch settings; each default is the fastest alternative timed on the H200 (``main_bwd_keep``: on an H100;
+#: docs/DECISIONS.md, "KDA kernels"; ``benchmarks/kda_tuning.py`` times alternatives).
 #: ``fwd_scan`` / ``bwd_scan``: ``"plain"`` keeps a scan's state as ``[BK, BV]`` (:func:`_scan_fwd` + :func:`_out_fwd`,
 #: :func:`_scan_bwd`), ``"transposed"`` as ``[BV, BK]`` (:func:`_scan_fwd_t`, which writes the output itself,
 #: :func:`_scan_bwd_t`), ``"auto"`` picks by :func:`_scan_plan`; ``fwd_bv`` / ``bwd_bv``: value columns per scan
 #: program (None: by :func:`_scan_plan`); ``*_warps``: warps per program (``scan_warps`` None: 4 for K <= 128, else
 #: 8); ``main_bwd_bv``: value block of :func:`_main_bwd` (None: 64, or 32 for V > 128, where 32 is the faster).
-#: ``main_bwd_keep``: where :func:`_main_bwd` keeps its key-side results between passes: ``"scratch"`` (float32
-#: tensors in memory, read back by the same program), or ``"registers"`` where K fits one key block (K <= 64), so
-#: that none of the five ``[B, T, H, K]`` float32 tensors is written or read; the same values either way.
+#: ``main_bwd_keep``: where :func:`_main_bwd` keeps its key-side results between passes: ``"registers"`` (default)
+#: where K fits one key block (K <= 64), so that none of the five ``[B, T, H, K]`` float32 tensors is written or
+#: read, else ``"scratch"`` (float32 tensors in memory, read back by the same program; always for K > 64). The same
+#: arithmetic either way; compiled for a GPU the two forms round a few float32 results differently (relative RMS
+#: 5e-6 at ``small``'s shape); there the registers form's forward + backward is 10% faster on an H100.
 #: ``fwd_prep``: ``"fused"`` (default) runs the forward's per-chunk work in one kernel, :func:`_prep_fwd`, on
 #: ``prep_warps`` warps (default 1); ``"split"`` runs :func:`_intra_fwd` then :func:`_wy_fwd`. The fused kernel is the
 #: faster on 1 warp in 32-wide steps; on 2 or 4 warps it is slower than the split pair, and in 64-wide steps its
@@ -49,7 +51,7 @@ from k3lit.kernels import gpu
 #: once that scan is done, beside the scan of the segment before it. The outputs are bit-identical for any count
 #: (``pipeline.py``).
 TUNING: dict = dict(fwd_scan="auto", fwd_bv=None, bwd_scan="auto", bwd_bv=None, scan_warps=None, intra_warps=2,
-                    wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, main_bwd_keep="scratch",
+                    wy_warps=1, out_warps=4, main_bwd_warps=4, main_bwd_bv=None, main_bwd_keep="registers",
                     intra_bk=None, wy_bk=None,
                     wy_bv=None, fwd_segments="auto", bwd_segments="auto", fwd_plain_out="auto",
                     u_dtype="float32", fwd_prep="fused", prep_warps=1, inverse_block=16)
