@@ -67,7 +67,7 @@ if want mix; then
   stamp "attnres.py mix (rc $?)"
 fi
 if want short_conv; then
-  timeout 600 python benchmarks/short_conv.py --sweep --json "$LOGS/short_conv.json" > "$LOGS/short_conv.log" 2>&1
+  timeout 420 python benchmarks/short_conv.py --sweep --json "$LOGS/short_conv.json" > "$LOGS/short_conv.log" 2>&1
   stamp "short_conv.py (rc $?)"
 fi
 if want kda_tuning; then

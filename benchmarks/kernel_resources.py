@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import write_section  # noqa: E402
 from k3lit.kernels import aot  # noqa: E402
-from k3lit.kernels.launches import SHORT_CONV_KERNELS, kda_launches, routing_launches  # noqa: E402
+from k3lit.kernels.launches import kda_launches, routing_launches  # noqa: E402
 
 # Hopper (sm_90) per-SM limits: 64K 32-bit registers, allocated per warp in 256-register units of
 # 8-register-per-thread steps; 228 KiB shared memory with 1 KiB reserved per block; 64 warps; 32 blocks.
@@ -97,19 +97,15 @@ def _attn_res_two_phase(N: int, S: int, M: int, D: int) -> list[aot.Launch]:
     return launches
 
 
-def _short_conv(B: int, T: int, C: int, backward: str = "two_pass") -> list[aot.Launch]:
+def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
     from k3lit.kernels.short_conv import conv
 
     x = torch.empty(B, T, C, device=META, dtype=torch.bfloat16)
     w = torch.empty(C, 4, device=META)
-    saved, conv.BACKWARD = conv.BACKWARD, backward
-    try:
-        with aot.record_launches(conv, *SHORT_CONV_KERNELS) as launches:
-            ys = conv.conv_fwd(x, w, 3)  # a KDA layer's q, k and v
-            conv.conv_bwd(x, w, [torch.empty_like(y) for y in ys])
-    finally:
-        conv.BACKWARD = saved
-    return [launch for launch in launches if backward == "two_pass" or launch.name != "_fwd"]
+    with aot.record_launches(conv, "_fwd", "_bwd_p", "_bwd_dx") as launches:
+        ys = conv.conv_fwd(x, w, 3)  # a KDA layer's q, k and v
+        conv.conv_bwd(x, w, [torch.empty_like(y) for y in ys])
+    return launches
 
 
 def configs() -> dict[str, list[aot.Launch]]:
@@ -120,8 +116,7 @@ def configs() -> dict[str, list[aot.Launch]]:
     the forward alternatives of ``plan.TUNING`` that change kernels;
     the depth mix at N = 11 over B2·T4096·D1024 (the 300m model of benchmarks/attnres.py) and its two-phase
     kernels for a block of 4 sublayers over 6 summaries at batch 8; the q|k|v short
-    convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements, and
-    ``small``'s (2,304 channels) through the one-pass backward; an MoE
+    convolution of that model (3·8·128 = 3072 channels) at B16·T2048, and one with more than 2^31 elements; an MoE
     layer's routing at ``small``'s shape with causal capacity at cf 1.1 (4,506 tokens an expert)."""
     return {
         "KDA K=V=128": _kda(4, 4096, 16, 128, 128, False, False),
@@ -130,8 +125,8 @@ def configs() -> dict[str, list[aot.Launch]]:
         "KDA K=V=64 (`small`), `_main_bwd` on 8 warps, `_prep_fwd` on 2": _kda(
             16, 2048, 12, 64, 64, True, True, only=("_prep_fwd", "_main_bwd"),
             tuning=dict(main_bwd_warps=8, prep_warps=2)),
-        "KDA K=V=64 (`small`), `_main_bwd` keeping its key results in registers": _kda(
-            16, 2048, 12, 64, 64, True, True, only=("_main_bwd",), tuning=dict(main_bwd_keep="registers")),
+        "KDA K=V=64 (`small`), `_main_bwd` keeping its key results in float32 scratch": _kda(
+            16, 2048, 12, 64, 64, True, True, only=("_main_bwd",), tuning=dict(main_bwd_keep="scratch")),
         "KDA K=V=256": _kda(1, 8192, 32, 256, 256, False, False),
         "KDA K=V=128, float32 inputs (3xTF32 products)": _kda(1, 4096, 16, 128, 128, False, False, torch.float32),
         "KDA K=V=256, float32 inputs, B1 H96": _kda(1, 2048, 96, 256, 256, False, False, torch.float32),
@@ -163,7 +158,6 @@ def configs() -> dict[str, list[aot.Launch]]:
         "AttnRes two-phase N=6 S=4 D=1024": _attn_res_two_phase(6, 4, 8 * 4096, 1024),
         "short conv C=3072": _short_conv(16, 2048, 3072),
         "short conv, B·T·C >= 2^31 (int64 offsets)": _short_conv(8, 32768, 8256),
-        "short conv C=2304 (`small`), one-pass backward": _short_conv(16, 2048, 2304, "one_pass"),
         "MoE routing m=32768 n=16 k=2, causal capacity 4506": routing_launches(16 * 2048, 16, 2, 2048, 4506),
     }
 

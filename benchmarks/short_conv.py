@@ -6,11 +6,10 @@ against fla's ``causal_conv1d`` (its Triton backend), and which launch settings 
     python benchmarks/short_conv.py --from_json F             # the section from a stored run
 
 Correctness first, per shape: relative RMS error of y, dx and dw against the float64 convolution on the same bf16
-inputs, for k3lit with each of its two backward forms (``conv.BACKWARD``: the default first) and for fla.
-``--sweep`` times each of k3lit's kernels (``_fwd``, ``_bwd_p``, ``_bwd_dx``, ``_bwd_one_pass``: the launchers with
-``k3lit.kernels.short_conv.conv.TUNING`` set) at every (time steps, channels, warps) of a grid, and checks that every
-tiling's y and dx equal the default's to the bit (per-element sums in a fixed order); dw's per-program partial
-sums follow the tiling.
+inputs, for k3lit and fla. ``--sweep`` times each of k3lit's kernels (``_fwd``, ``_bwd_p``, ``_bwd_dx``: the
+launchers with ``k3lit.kernels.short_conv.conv.TUNING`` set) at every (time steps, channels, warps) of a grid, and
+checks that every tiling's y and dx equal the default's to the bit (per-element sums in a fixed order); dw's
+per-program partial sums follow the tiling.
 
 Times: ``triton.testing.do_bench`` medians in one process. Bandwidth: the least bytes a pass must move
 (forward: read x, write y; forward + backward: also read x and dy, write dx) over its time; the H200 moves
@@ -20,7 +19,6 @@ Times: ``triton.testing.do_bench`` medians in one process. Bandwidth: the least 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -45,19 +43,6 @@ SHAPES = ((16, 2048, 2304), (4, 8192, 2304), (1, 32768, 2304), (4, 2048, 6144))
 """(B, T, C): ``small``'s batch at 2,048 and 8,192 tokens and ``small_32k``'s (C = 3 x 768), ``medium``'s width."""
 WIDTH = 4
 SWEEP = {"bt": (32, 64, 128), "bc": (32, 64, 128), "warps": (2, 4, 8)}
-KERNELS = ("fwd", "bwd_p", "bwd_dx", "bwd_one_pass")
-BACKWARDS = {"k3lit": "two_pass", "k3lit one-pass": "one_pass"}
-"""The k3lit rows of each shape and the backward form (``conv.BACKWARD``) each runs."""
-
-
-@contextlib.contextmanager
-def backward(form: str):
-    """``conv.BACKWARD`` set to ``form`` inside (the backward launcher reads it at every call), restored after."""
-    saved, conv.BACKWARD = conv.BACKWARD, form
-    try:
-        yield
-    finally:
-        conv.BACKWARD = saved
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -94,22 +79,18 @@ def passes(f, x: torch.Tensor, w: torch.Tensor, dys: tuple[torch.Tensor, ...]): 
 
 def kernel_times(x: torch.Tensor, w: torch.Tensor, dy: list[torch.Tensor], bench) -> list[dict]:  # noqa: ANN001
     """Each k3lit kernel alone at every tiling of :data:`SWEEP` (the other kernels at their defaults; the output in
-    KDA's three parts, ``dy`` their gradients; ``_bwd_one_pass`` as the one-pass backward), with whether its y and
-    dx equal the two-pass default's to the bit."""
+    KDA's three parts, ``dy`` their gradients), with whether its y and dx equal the default tiling's to the bit."""
     default = dict(conv.TUNING)
-    with backward("two_pass"):
-        y0, (dx0, _) = conv.conv_fwd(x, w, 3), conv.conv_bwd(x, w, dy)
+    y0, (dx0, _) = conv.conv_fwd(x, w, 3), conv.conv_bwd(x, w, dy)
     rows = []
-    for kernel in KERNELS:
+    for kernel in ("fwd", "bwd_p", "bwd_dx"):
         for bt, bc, warps in itertools.product(*SWEEP.values()):
             conv.TUNING[kernel] = (bt, bc, warps)
             try:
-                with backward("one_pass" if kernel == "bwd_one_pass" else "two_pass"):
-                    same = (all(map(torch.equal, conv.conv_fwd(x, w, 3), y0))
-                            and torch.equal(conv.conv_bwd(x, w, dy)[0], dx0))
-                    # the backward launcher whole (its kernels, the dw reduction): the tilings of one kernel differ
-                    ms = bench((lambda: conv.conv_fwd(x, w, 3)) if kernel == "fwd"
-                               else (lambda: conv.conv_bwd(x, w, dy)))
+                same = (all(map(torch.equal, conv.conv_fwd(x, w, 3), y0))
+                        and torch.equal(conv.conv_bwd(x, w, dy)[0], dx0))
+                # the backward launcher whole (both kernels, the dw reduction): the tilings of one kernel differ
+                ms = bench((lambda: conv.conv_fwd(x, w, 3)) if kernel == "fwd" else (lambda: conv.conv_bwd(x, w, dy)))
             except Exception as e:  # a tiling that does not compile (shared memory, registers)
                 rows.append({"kernel": kernel, "bt": bt, "bc": bc, "warps": warps, "ms": None, "error": str(e)[:80]})
                 continue
@@ -139,21 +120,18 @@ def measure(a: argparse.Namespace, device: str = "cuda", bench=gpu_bench) -> dic
         want = reference(x, w, dy)
         row = {"B": B, "T": T, "C": C, "bytes_fwd": 2 * x.numel() * 2, "bytes_fwd_bwd": 5 * x.numel() * 2}
         dys = [t.contiguous() for t in dy.chunk(3, -1)]  # KDA's q, k and v gradients, apart
-        ours = lambda x, w: short_conv_silu_triton(x, w, 3)  # noqa: E731
-        for name, f, grads in (*((n, ours, dys) for n in BACKWARDS), ("fla", fla, (dy,))):
+        for name, f, grads in (("k3lit", lambda x, w: short_conv_silu_triton(x, w, 3), dys), ("fla", fla, (dy,))):
             if f is None:
                 continue
-            with backward(BACKWARDS.get(name, conv.BACKWARD)):
-                try:
-                    fwd, fwd_bwd, got = passes(f, x, w, tuple(grads))
-                except Exception as e:  # the peer's failure is reported, not ours to fix
-                    if name in BACKWARDS:
-                        raise
-                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
-                    continue
-                row[name] = {"err": {k: rel_rms(g_, w_) for k, g_, w_ in zip(("y", "dx", "dw"), got, want,
-                                                                               strict=True)},
-                             "fwd_ms": bench(fwd), "fwd_bwd_ms": bench(fwd_bwd)}
+            try:
+                fwd, fwd_bwd, got = passes(f, x, w, tuple(grads))
+            except Exception as e:  # the peer's failure is reported, not ours to fix
+                if name == "k3lit":
+                    raise
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
+                continue
+            row[name] = {"err": {k: rel_rms(g_, w_) for k, g_, w_ in zip(("y", "dx", "dw"), got, want, strict=True)},
+                         "fwd_ms": bench(fwd), "fwd_bwd_ms": bench(fwd_bwd)}
         out["shapes"].append(row)
         if a.sweep and not out["sweep"]:  # the tilings at the first shape (each compiles once: minutes)
             out["sweep"].append({"B": B, "T": T, "C": C, "rows": kernel_times(x, w, dys, bench)})
@@ -165,8 +143,7 @@ def table(r: dict) -> str:
     lines = [
         f"Written by `benchmarks/short_conv.py`. {environment(r['env'])}. Command: {r['command']}. bf16 x and "
         f"dy, kernel width {r['width']}; k3lit: `short_conv_silu_triton(parts=3)` (y and dy as three channel groups, "
-        "as a KDA layer's q, k and v), with the two-pass backward and with the one-pass one (`conv.BACKWARD`); fla: "
-        "`causal_conv1d(activation=\"silu\", "
+        "as a KDA layer's q, k and v); fla: `causal_conv1d(activation=\"silu\", "
         "backend=\"triton\")`. Error: relative RMS against the float64 convolution of the same inputs. TB/s: the "
         "least bytes the pass must move (forward 2, forward+backward 5 tensors of B x T x C) over its median time.",
         "",
@@ -174,7 +151,7 @@ def table(r: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for s in r["shapes"]:
-        for name in (*BACKWARDS, "fla"):
+        for name in ("k3lit", "fla"):
             if name not in s:
                 continue
             if "error" in s[name]:
@@ -185,11 +162,11 @@ def table(r: dict) -> str:
                          f"{e['dw']:.1e} | {m['fwd_ms']:.3f} | {s['bytes_fwd'] / m['fwd_ms'] / 1e9:.2f} | "
                          f"{m['fwd_bwd_ms']:.3f} | {s['bytes_fwd_bwd'] / m['fwd_bwd_ms'] / 1e9:.2f} |")
     for sw in r["sweep"]:
-        lines += ["", f"Tilings at {sw['B']} x {sw['T']:,} x {sw['C']:,} (fastest three per kernel; the backward "
-                      "kernels timed as the whole backward launcher of their form; default "
+        lines += ["", f"Tilings at {sw['B']} x {sw['T']:,} x {sw['C']:,} (fastest three per kernel; `_bwd_p` and "
+                      "`_bwd_dx` timed as the whole backward launcher; default "
                       f"{', '.join(f'{k} {v}' for k, v in conv.TUNING.items())}):", "",
                   "| kernel | time steps x channels, warps | ms | y and dx as the default's |", "|---|---|---|---|"]
-        for kernel in KERNELS:
+        for kernel in ("fwd", "bwd_p", "bwd_dx"):
             done = sorted((x for x in sw["rows"] if x["kernel"] == kernel and x["ms"] is not None),
                           key=lambda x: x["ms"])
             for x in done[:3]:

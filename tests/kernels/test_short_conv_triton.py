@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3lit.kernels.short_conv import conv, short_conv_silu_triton
+from k3lit.kernels.short_conv import short_conv_silu_triton
 from k3lit.nn.short_conv import ShortConvolution
 from k3lit.testing import rel_rms
 
@@ -18,16 +18,8 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.silu(F.conv1d(xt, w.double()[:, None], groups=C)).transpose(1, 2)
 
 
-@pytest.fixture(params=["two_pass", "one_pass"])
-def backward(request, monkeypatch):
-    """Each test that takes it runs once with each of :data:`conv.BACKWARD`'s forms."""
-    monkeypatch.setattr(conv, "BACKWARD", request.param)
-    return request.param
-
-
-@pytest.mark.gpu  # also on the CPU: the GPU suite compiles both backward forms for the device
 @pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3)])
-def test_forward_and_gradients_match_float64(seed, backward, B, T, C, W):
+def test_forward_and_gradients_match_float64(seed, B, T, C, W):
     x = torch.randn(B, T, C, device=DEV, requires_grad=True)
     w = torch.randn(C, W, device=DEV, requires_grad=True)
     dy = torch.randn(B, T, C, device=DEV)
@@ -49,7 +41,7 @@ def test_bf16_sums_in_float32(seed):
 
 
 @pytest.mark.parametrize("B,T,C", [(2, 70, 3 * 40), (1, 5, 3 * 64), (1, 9, 3 * 128), (2, 33, 3 * 100)])
-def test_three_parts_are_the_channel_groups_to_the_bit(seed, backward, B, T, C):
+def test_three_parts_are_the_channel_groups_to_the_bit(seed, B, T, C):
     """KDA's q, k, v: the output as three contiguous channel groups and their gradients read where they are give
     what the one-tensor form gives for the joined tensors, bit for bit (the same sums; only where they are
     stored differs): with 64-channel tiles inside one group (C / 3 = 64, 128: the base pointer picked once per tile)
@@ -66,27 +58,6 @@ def test_three_parts_are_the_channel_groups_to_the_bit(seed, backward, B, T, C):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="parts"):
         short_conv_silu_triton(x[..., :-1], w[:-1], 3)
-
-
-@pytest.mark.gpu  # also on the CPU: on the GPU the two forms' compiled code must agree too
-@pytest.mark.parametrize("B,T,C,W,parts", [(2, 150, 3 * 32, 4, 3), (1, 61, 8, 4, 1), (1, 62, 3 * 40, 4, 3),
-                                            (2, 2, 12, 4, 1), (1, 130, 40, 2, 1)])
-def test_one_pass_backward_gives_the_two_pass_dx_bits(seed, monkeypatch, B, T, C, W, parts):
-    """The one-pass backward's ``dx`` equals the two-pass one's bit for bit (the same float32 ``p``, summed over the
-    same shifts in the same order) at lengths that end inside a tile, on a tile's last owned row (61 = 64 - 3) and
-    just past it, and shorter than the kernel; ``dw`` sums per tile in another grouping, so float32 rounding apart."""
-    x = torch.randn(B, T, C, device=DEV).bfloat16()
-    w = torch.randn(C, W, device=DEV).bfloat16()
-    dys = [torch.randn(B, T, C // parts, device=DEV).bfloat16() for _ in range(parts)]
-    monkeypatch.setattr(conv, "BACKWARD", "two_pass")
-    dx2, dw2 = conv.conv_bwd(x, w, dys)
-    monkeypatch.setattr(conv, "BACKWARD", "one_pass")
-    dx1, dw1 = conv.conv_bwd(x, w, dys)
-    assert torch.equal(dx1, dx2)
-    torch.testing.assert_close(dw1, dw2, rtol=2**-7, atol=0)  # at most one bf16 step (2^-7 relative) apart
-    monkeypatch.setitem(conv.TUNING, "bwd_one_pass", (4, 64, 4))
-    with pytest.raises(ValueError, match="kernel width of at most 2"):
-        conv.conv_bwd(x, w.new_zeros(C, 3), dys)
 
 
 def test_layer_triton_equals_torch_and_state_continues(seed):

@@ -7,13 +7,11 @@ Backward, with ``p = dy · silu'(pre)`` and ``silu'(z) = σ(z) (1 + z (1 - σ(z)
     dx[b, s, c] = Σ_j w[c, j] · p[b, s + (W-1) - j, c]      (p = 0 at t >= T)
     dw[c, j]    = Σ_{b, t} p[b, t, c] · x[b, t - (W-1) + j, c]
 
-The forward keeps nothing but its inputs. The backward (:data:`BACKWARD`) runs in two passes by default: the first
-recomputes ``pre`` once per position, writes ``p`` (float32) and reduces ``dw`` per program in registers; the
-second forms ``dx`` from ``W`` shifted reads of ``p``. Recomputing ``pre`` at the ``W`` shifts ``dx`` needs inside
-one pass would cost ``W²`` tile loads and ``W`` sigmoids per element: the backward would be bound by instructions,
-not bytes. The one-pass form instead keeps a tile's ``p`` in registers and shifts it there (``tl.gather`` along the
-time axis), so ``p`` never reaches memory; its tiles overlap by the ``W - 1`` rows each one's last outputs need.
-All sums in float32, ``dx``'s in the same order in both forms, so they give the same ``dx`` bits. The
+The forward keeps nothing but its inputs. The backward runs in two passes: the first recomputes ``pre`` once per
+position, writes ``p`` (float32) and reduces ``dw`` per program in registers; the second forms ``dx`` from ``W``
+shifted reads of ``p``. Recomputing ``pre`` at the ``W`` shifts ``dx`` needs inside one pass would cost ``W²``
+tile loads and ``W`` sigmoids per element: the backward would be bound by instructions, not bytes. All sums in
+float32, in the same order as a one-pass form, so the float32 ``p`` round trip changes no bit. The
 ``[programs, C, W]`` partials of ``dw`` are summed in torch (deterministic, no atomics). The layout needs no
 transposes: the projections produce ``[B, T, C]`` and the KDA op consumes it.
 
@@ -26,25 +24,13 @@ otherwise each channel's base pointer is picked from the three, so a tile may st
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
 
-TUNING: dict[str, tuple[int, int, int]] = {"fwd": (64, 64, 4), "bwd_p": (64, 64, 4), "bwd_dx": (64, 64, 4),
-                                           "bwd_one_pass": (64, 32, 4)}
+TUNING: dict[str, tuple[int, int, int]] = {"fwd": (64, 64, 4), "bwd_p": (64, 64, 4), "bwd_dx": (64, 64, 4)}
 """Per kernel: (time steps, channels) per program and warps. 64 x 64 float32 tiles hold 32 values a thread at 4
-warps; 64 x 128 spilled (``benchmarks/kernel_resources.py``). The one-pass backward holds ``p``, its shifted copy and
-``dx`` at once: 255 registers a thread at 64 x 64 (2 blocks an SM), 142 at 64 x 32 (3), compiled for sm_90a by
-triton 3.8. ``benchmarks/short_conv.py --sweep`` times others."""
-
-BACKWARD = "two_pass"
-"""Which backward :func:`conv_bwd` runs: ``"two_pass"`` (``_bwd_p`` writes the float32 ``p``, ``_bwd_dx`` reads it
-back ``W`` times) or ``"one_pass"`` (``_bwd_one_pass``: ``p`` stays in registers and ``dx`` reads it shifted; tiles
-overlap by ``W - 1`` rows, whose ``p`` is computed twice). Both give the same ``dx`` bits; the one-pass form moves
-three ``[B, T, C]`` tensors in the backward's own dtype instead of three plus two float32 ones.
-``benchmarks/short_conv.py`` times the two side by side."""
+warps; 64 x 128 spilled (``benchmarks/kernel_resources.py``). ``benchmarks/short_conv.py --sweep`` times others."""
 
 
 @triton.jit
@@ -94,32 +80,6 @@ def _fwd(x_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, W: tl.constexpr, BT: tl.cons
 
 
 @triton.jit
-def _p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, s, c, c0, T, C, W: tl.constexpr, PARTS: tl.constexpr,
-       STRADDLE: tl.constexpr):
-    """``p = dy · silu'(pre)`` at times ``s [BT]`` and channels ``c [BC]`` (the tile's first ``c0``) of sequence
-    ``b``, float32 (0 where s >= T, as dy is there)."""
-    m = (s < T)[:, None] & (c < C)[None, :]
-    # dy first: its pointers are dead before pre's are formed (sm_90a, triton 3.6: 160 registers a thread at 64 x 64
-    # tiles, 3 blocks an SM, against 188 and 2 with pre first; benchmarks/kernel_resources.py)
-    dy = tl.load(_part_ptrs(dy_ptr, dy1_ptr, dy2_ptr, b, s, c, c0, T, C, PARTS, STRADDLE), mask=m,
-                 other=0.0).to(tl.float32)
-    pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
-    sig = tl.sigmoid(pre)
-    return dy * sig * (1.0 + pre * (1.0 - sig))
-
-
-@triton.jit
-def _store_dw_part(x_ptr, dw_part_ptr, p, b, s, c, row, T, C, W: tl.constexpr):
-    """Row ``row`` of the ``dw`` partials: ``Σ_s p[s] x[s - (W-1) + j]`` over the tile's times, per channel and tap."""
-    cmask = c < C
-    for j in tl.static_range(W):
-        src = s - (W - 1) + j
-        mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
-        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
-        tl.store(dw_part_ptr + (row * C + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
-
-
-@triton.jit
 def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: tl.constexpr, BT: tl.constexpr,
            BC: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr, STRADDLE: tl.constexpr):
     """``p = dy · silu'(pre)`` (float32, stored) and this program's ``dw`` partial ``Σ_s p[s] x[s - (W-1) + j]``."""
@@ -128,38 +88,22 @@ def _bwd_p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, p_ptr, dw_part_ptr, T, C, W: 
         b = b.to(tl.int64)
     s = pt * BT + tl.arange(0, BT)
     c = pc * BC + tl.arange(0, BC)
-    p = _p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, W, PARTS, STRADDLE)
-    tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=(s < T)[:, None] & (c < C)[None, :])
-    _store_dw_part(x_ptr, dw_part_ptr, p, b, s, c, b * tl.num_programs(0) + pt, T, C, W)
-
-
-@triton.jit
-def _bwd_one_pass(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, dx_ptr, dw_part_ptr, T, C, W: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr,
-                  STRADDLE: tl.constexpr):
-    """``p`` over ``BT`` rows from ``s0 = pt (BT - (W-1))``, kept in registers; ``dx`` of the first ``BT - (W-1)``
-    of them from ``p`` shifted up by ``W-1-j`` rows (``tl.gather``; the last ``W-1`` rows are the next tile's halo),
-    and the ``dw`` partial over those rows alone."""
-    pt, pc, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if BIG:
-        b = b.to(tl.int64)
-    own = BT - (W - 1)
-    i = tl.arange(0, BT)
-    s = pt * own + i
-    c = pc * BC + tl.arange(0, BC)
     cmask = c < C
-    p = _p(x_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, W, PARTS, STRADDLE)
-    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    m = (s < T)[:, None] & cmask[None, :]
+    # dy first: its pointers are dead before pre's are formed (sm_90a, triton 3.6: 160 registers a thread at 64 x 64
+    # tiles, 3 blocks an SM, against 188 and 2 with pre first; benchmarks/kernel_resources.py)
+    dy = tl.load(_part_ptrs(dy_ptr, dy1_ptr, dy2_ptr, b, s, c, pc * BC, T, C, PARTS, STRADDLE), mask=m,
+                 other=0.0).to(tl.float32)
+    pre = _pre(x_ptr, w_ptr, b, s, c, T, C, W)
+    sig = tl.sigmoid(pre)
+    p = dy * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(p_ptr + (b * T + s)[:, None] * C + c[None, :], p, mask=m)
+    row = (b * tl.num_programs(0) + pt) * C
     for j in tl.static_range(W):
-        wj = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
-        if j == W - 1:
-            dx += wj[None, :] * p
-        else:  # rows i < own read i + W-1-j < BT; the clamp only serves rows that are not stored
-            up = tl.minimum(i + (W - 1 - j), BT - 1)[:, None] + tl.zeros((BT, BC), dtype=tl.int32)
-            dx += wj[None, :] * tl.gather(p, up, 0)
-    mo = ((s < T) & (i < own))[:, None] & cmask[None, :]
-    tl.store(dx_ptr + (b * T + s)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mo)
-    _store_dw_part(x_ptr, dw_part_ptr, tl.where(mo, p, 0.0), b, s, c, b * tl.num_programs(0) + pt, T, C, W)
+        src = s - (W - 1) + j
+        mj = ((src >= 0) & (src < T))[:, None] & cmask[None, :]
+        xv = tl.load(x_ptr + (b * T + src)[:, None] * C + c[None, :], mask=mj, other=0.0).to(tl.float32)
+        tl.store(dw_part_ptr + (row + c) * W + j, tl.sum(p * xv, axis=0), mask=cmask)
 
 
 @triton.jit
@@ -208,24 +152,13 @@ def conv_bwd(x: torch.Tensor, w: torch.Tensor, dys: list[torch.Tensor]) -> tuple
         raise ValueError(f"conv_bwd: {C} channels do not split into {len(dys)} parts")
     W = w.shape[1]
     big = x.numel() >= 2**31
-    dx = torch.empty_like(x)
-    straddle = partial(_straddle, C, len(dys))
-    if BACKWARD == "one_pass":
-        bt, bc, warps = TUNING["bwd_one_pass"]
-        if W > bt // 2:
-            raise ValueError(f"conv_bwd: a one-pass tile of {bt} time steps needs a kernel width of at most {bt // 2}, "
-                             f"got {W}")
-        nt = triton.cdiv(T, bt - (W - 1))
-        dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
-        _bwd_one_pass[(nt, triton.cdiv(C, bc), B)](x, w, *(dys * 3)[:3], dx, dw_part, T, C, W=W, BT=bt, BC=bc,
-                                                   BIG=big, PARTS=len(dys), STRADDLE=straddle(bc), num_warps=warps)
-        return dx, dw_part.sum(0).to(w.dtype)
     bt, bc, warps = TUNING["bwd_p"]
     nt = triton.cdiv(T, bt)
     p = torch.empty(B, T, C, device=x.device, dtype=torch.float32)
     dw_part = torch.empty(B * nt, C, W, device=x.device, dtype=torch.float32)
     _bwd_p[(nt, triton.cdiv(C, bc), B)](x, w, *(dys * 3)[:3], p, dw_part, T, C, W=W, BT=bt, BC=bc, BIG=big,
-                                        PARTS=len(dys), STRADDLE=straddle(bc), num_warps=warps)
+                                        PARTS=len(dys), STRADDLE=_straddle(C, len(dys), bc), num_warps=warps)
+    dx = torch.empty_like(x)
     bt, bc, warps = TUNING["bwd_dx"]
     _bwd_dx[(triton.cdiv(T, bt), triton.cdiv(C, bc), B)](p, w, dx, T, C, W=W, BT=bt, BC=bc, BIG=big,
                                                         num_warps=warps)
