@@ -148,8 +148,9 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
         save: Callable[[dict], None] = lambda record: None) -> dict:
     """One entrant (:func:`entrants`) and seed: fit for ``a.minutes`` (the entrant's arguments last), then the final
     held-out pass on the recipe's own data settings (at ``a.seq_len``, if set), so every run reads the same bytes;
-    what both logged. ``save`` gets the fit's record (``final_val_loss`` None) before the final pass starts, so a
-    call cut short keeps it."""
+    what both logged. ``save`` gets the record as it grows: the fit's (``final_val_loss`` None) before the final
+    pass starts, then again after the final pass and after each ``k3lit positions`` reading, so a call cut short
+    keeps what had finished."""
     name, recipe, extra = entrant
     folder = out / f"{name}-{seed}"
     t0 = time.perf_counter()
@@ -177,7 +178,8 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
           log=folder.with_suffix(".val.log"))
     val_rows = read_csv(Path(f"{folder}-val") / "metrics.csv")
     final = next(r for r in val_rows if r.get("val/loss"))
-    positions, positions_error, readings = None, None, {}
+    record = {**record, "expert_load": expert_load(fit_rows, final), "final_val_loss": float(final["val/loss"])}
+    save(record)
     if a.positions:  # extrapolation of the same weights: bpb by position bucket at longer lengths
         try:  # a failed pass is reported with the run, not in place of it
             for reading, extra in [("", []), *positions_readings(a)]:
@@ -187,15 +189,15 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
                       str(folder / f"{stem}.json"), log=Path(f"{folder}.{stem}.log"))
                 results = json.loads((folder / f"{stem}.json").read_text())["results"]
                 if reading:
-                    readings[reading] = results
+                    record = {**record, "positions_readings": {**record.get("positions_readings", {}),
+                                                               reading: results}}
                 else:
-                    positions = results
+                    record = {**record, "positions": results}
+                save(record)
         except RuntimeError as e:
-            positions_error = str(e)
-            print(positions_error, file=sys.stderr, flush=True)
-    return {**record, "expert_load": expert_load(fit_rows, final), "final_val_loss": float(final["val/loss"]),
-            "positions": positions, **({"positions_readings": readings} if readings else {}),
-            **({"positions_error": positions_error} if positions_error else {})}
+            record = {**record, "positions_error": str(e)}
+            print(record["positions_error"], file=sys.stderr, flush=True)
+    return record
 
 
 def positions_readings(a: argparse.Namespace) -> list[tuple[str, list[str]]]:

@@ -165,6 +165,35 @@ def test_a_run_cut_before_its_final_pass_keeps_what_the_fit_logged(tmp_path, mon
     assert "Mean held-out bpb" not in text  # one finished label: nothing to compare
 
 
+def test_a_run_saves_after_its_final_pass_and_each_positions_reading(tmp_path, monkeypatch):
+    """A device call cut during the extrapolation readings keeps the final pass and the readings already done."""
+    import benchmarks.race as race_mod
+
+    def fake_k3lit(*args, log, env=None):
+        folder = tmp_path / "x-3"
+        if args[0] == "fit":
+            folder.mkdir()
+            (folder / "metrics.csv").write_text("step,train/device/items_per_sec,val/bpb,val/elapsed_s\n"
+                                               "39,3000.0,,\n40,,2.5,9.0\n")
+        elif args[0] == "validate":
+            (tmp_path / "x-3-val").mkdir()
+            (tmp_path / "x-3-val" / "metrics.csv").write_text("step,val/loss,val/bpb\n0,1.25,0.5\n")
+        else:  # positions: the reading's own results, told apart by the window argument
+            out = Path(args[args.index("--json") + 1])
+            out.write_text(json.dumps({"results": [{"window": "--attn_window" in args}]}))
+        log.write_text("")
+
+    monkeypatch.setattr(race_mod, "k3lit", fake_k3lit)
+    saved = []
+    a = parser().parse_args(["--recipes", "r/x.yaml", "--positions", "16", "32",
+                             "--positions_reading", "w=--attn_window 16"])
+    done = race_mod.run(("x", "r/x.yaml", []), 3, a, tmp_path, saved.append)
+    assert [(r["final_val_loss"], r["positions"], r.get("positions_readings")) for r in saved] == [
+        (None, None, None), (1.25, None, None), (1.25, [{"window": False}], None),
+        (1.25, [{"window": False}], {"w": [{"window": True}]})]
+    assert done == saved[-1]
+
+
 def test_seq_len_races_longer_sequences_at_the_same_tokens_per_step(tmp_path):
     stdlib_cache = str(tmp_path / "data")
     prepare_corpus("stdlib", "byte", cache_dir=stdlib_cache, val_fraction=0.05, verbose=False)
