@@ -18,6 +18,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.silu(F.conv1d(xt, w.double()[:, None], groups=C)).transpose(1, 2)
 
 
+@pytest.mark.gpu  # also on the CPU: the GPU suite checks the compiled kernels against float64 too
 @pytest.mark.parametrize("B,T,C,W", [(2, 70, 130, 4), (1, 1, 8, 4), (3, 3, 64, 4), (1, 129, 200, 3)])
 def test_forward_and_gradients_match_float64(seed, B, T, C, W):
     x = torch.randn(B, T, C, device=DEV, requires_grad=True)

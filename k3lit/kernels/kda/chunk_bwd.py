@@ -260,7 +260,7 @@ def _key_pass1(kb, dM, db, tok, m_t, i_h, hbase, b_beta, b_mt, r_k, k, Gc, h, dh
     b_G = tl.load(Gc + offk, mask=mk, other=0.0)
     b_kg = b_k * tl.exp(b_G)
     dM += _dot(dW, tl.trans(b_kg * b_beta[:, None]), F32)
-    dMW = _dot(b_mt, dW, F32)  # M^T dW: pass 2 reads it back (exact float32) instead of M and dW
+    dMW = _dot(b_mt, dW, F32)  # M^T dW: pass 2 takes it (exact float32) instead of M and dW
     if STORE:
         tl.store(s_dw + offk, dMW, mask=mk)
     db += tl.sum(dMW * b_kg, axis=1)
@@ -351,7 +351,6 @@ def _l2_norm_bwd(kb, b_dq, b_dk, tok, m_t, i_h, r_q, r_k, dot_q, dot_k, q, k, dq
     b_k = tl.load(k + offk, mask=mk, other=0.0).to(tl.float32) * r_k[:, None]
     tl.store(dq + offk, ((b_dq - b_q * dot_q[:, None]) * r_q[:, None]).to(dq.dtype.element_ty), mask=mk)
     tl.store(dk + offk, ((b_dk - b_k * dot_k[:, None]) * r_k[:, None]).to(dk.dtype.element_ty), mask=mk)
-
 
 
 @_on_inputs_device
