@@ -306,14 +306,14 @@ def table(result: dict, png: str) -> str:
         "| held-out bpb |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    by_label: dict[str, list[float]] = {}
+    by_label: dict[str, dict[int, list[float]]] = {}
     unfinished = []
     for r in result["runs"]:
         value = bpb(r, ref)
         if value is None:
             unfinished.append(f"`{label(r)}` seed {r['seed']}")
         else:
-            by_label.setdefault(label(r), []).append(value)
+            by_label.setdefault(label(r), {}).setdefault(r["seed"], []).append(value)
         tps = f"{r['median_tokens_per_s']:,.0f}" if r.get("median_tokens_per_s") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "-"
         shown = "-" if value is None else f"{value:.4f}"
@@ -372,17 +372,26 @@ def per_step(runs: list[dict]) -> list[str]:
             "|---|---|---|---|---|---|---|", *rows]
 
 
-def verdict(by_label: dict[str, list[float]]) -> str:
-    """Mean held-out bpb of each label, the leader's margin over the runner-up, and that margin against the largest
-    seed-to-seed spread (labels with two or more seeds)."""
-    means = sorted((statistics.mean(v), k) for k, v in by_label.items())
+def verdict(by_label: dict[str, dict[int, list[float]]]) -> str:
+    """Mean held-out bpb of each label over its seeds (``{label: {seed: [bpb of each run]}}``; the runs of one seed
+    count as their mean, one seed), its seed count and seed-to-seed spread (largest minus smallest seed), the
+    leader's margin over the runner-up, and that margin against the largest spread (labels with two or more
+    seeds)."""
+    per_seed = {k: [statistics.mean(v) for v in seeds.values()] for k, seeds in by_label.items()}
+    means = sorted((statistics.mean(v), k) for k, v in per_seed.items())
     (best, lead), (second, runner) = means[0], means[1]
-    text = ("Mean held-out bpb: " + ", ".join(f"`{k}` {m:.4f}" for m, k in means)
+
+    def counted(k: str) -> str:
+        v, runs = per_seed[k], sum(len(r) for r in by_label[k].values())
+        seeds = f"{len(v)} seeds, spread {max(v) - min(v):.4f}" if len(v) >= 2 else "1 seed"
+        return seeds + (f", {runs} runs" if runs > len(v) else "")
+
+    text = ("Mean held-out bpb over seeds (a seed run more than once counts as its runs' mean): "
+            + ", ".join(f"`{k}` {m:.4f} ({counted(k)})" for m, k in means)
             + f": `{lead}` ahead of `{runner}` by {second - best:.4f}")
-    spreads = [max(v) - min(v) for v in by_label.values() if len(v) >= 2]
-    if len(by_label[lead]) < 2 or len(by_label[runner]) < 2:
-        return text + "; one seed of a run so far, so the seed-to-seed spread is not measured."
-    spread = max(spreads)
+    if len(per_seed[lead]) < 2 or len(per_seed[runner]) < 2:
+        return text + "; one of the two has one seed so far, so their seed-to-seed spread is not measured."
+    spread = max(max(v) - min(v) for v in per_seed.values() if len(v) >= 2)
     more = "more" if second - best > spread else "less"
     return text + f", {more} than the largest seed-to-seed spread ({spread:.4f})."
 

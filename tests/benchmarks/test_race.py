@@ -68,7 +68,7 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
     for r in (k3_run, variant):  # the fit's last load heatmap, beside the raw JSON and named in the table
         assert (tmp_path / r["expert_load_png"]).stat().st_size > 1_000 and r["expert_load_png"] in text
     assert "expert_load_png" not in plain_run
-    assert "one seed of a run so far, so the seed-to-seed spread is not" in text
+    assert "has one seed so far, so their seed-to-seed spread is not measured" in text
     assert "`k3_b4` = `k3` with `--data.batch_size=4 --model.capacity_factor=1.0`" in text
     second = {**result, "runs": result["runs"] + [{**r, "seed": 8} for r in result["runs"]]}
     assert "than the largest seed-to-seed spread (0.0000)" in table(second, "race.png")
@@ -104,11 +104,22 @@ def test_appended_runs_join_the_same_race_only():
 def test_verdict_ranks_every_label_against_the_seed_spread():
     from benchmarks.race import verdict
 
-    text = verdict({"a": [0.70, 0.72], "b": [0.68, 0.69], "c": [0.75]})
-    assert text == ("Mean held-out bpb: `b` 0.6850, `a` 0.7100, `c` 0.7500: `b` ahead of `a` by 0.0250, more than the "
-                    "largest seed-to-seed spread (0.0200).")
-    assert "less than the largest seed-to-seed spread (0.0300)" in verdict({"a": [0.70, 0.73], "b": [0.69, 0.70]})
-    assert verdict({"a": [0.7], "b": [0.6, 0.61]}).endswith("the seed-to-seed spread is not measured.")
+    text = verdict({"a": {1: [0.70], 2: [0.72]}, "b": {1: [0.68], 2: [0.69]}, "c": {1: [0.75]}})
+    assert text == ("Mean held-out bpb over seeds (a seed run more than once counts as its runs' mean): `b` 0.6850 "
+                    "(2 seeds, spread 0.0100), `a` 0.7100 (2 seeds, spread 0.0200), `c` 0.7500 (1 seed): `b` ahead of "
+                    "`a` by 0.0250, more than the largest seed-to-seed spread (0.0200).")
+    assert "less than the largest seed-to-seed spread (0.0300)" in verdict({"a": {1: [0.70], 2: [0.73]},
+                                                                            "b": {1: [0.69], 2: [0.70]}})
+    assert verdict({"a": {1: [0.7]}, "b": {1: [0.6], 2: [0.61]}}).endswith("seed-to-seed spread is not measured.")
+
+
+def test_verdict_counts_a_seed_run_twice_as_one_seed():
+    """Two runs of one seed are a repeat, not two seeds: their mean is that seed's bpb, and they give no spread."""
+    from benchmarks.race import verdict
+
+    text = verdict({"plain": {1234: [0.5101, 0.5098]}, "k3": {1234: [0.5475], 1235: [0.5499]}})
+    assert "`plain` 0.5100 (1 seed, 2 runs)" in text and "`k3` 0.5487 (2 seeds, spread 0.0024)" in text
+    assert text.endswith("one of the two has one seed so far, so their seed-to-seed spread is not measured.")
 
 
 def test_variants_are_labelled_and_checked():
