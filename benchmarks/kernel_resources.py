@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.results import write_section  # noqa: E402
 from k3lit.kernels import aot  # noqa: E402
-from k3lit.kernels.launches import kda_launches, routing_launches  # noqa: E402
+from k3lit.kernels.launches import SHORT_CONV_KERNELS, kda_launches, routing_launches  # noqa: E402
 
 # Hopper (sm_90) per-SM limits: 64K 32-bit registers, allocated per warp in 256-register units of
 # 8-register-per-thread steps; 228 KiB shared memory with 1 KiB reserved per block; 64 warps; 32 blocks.
@@ -102,7 +102,7 @@ def _short_conv(B: int, T: int, C: int) -> list[aot.Launch]:
 
     x = torch.empty(B, T, C, device=META, dtype=torch.bfloat16)
     w = torch.empty(C, 4, device=META)
-    with aot.record_launches(conv, "_fwd", "_bwd_p", "_bwd_dx") as launches:
+    with aot.record_launches(conv, *SHORT_CONV_KERNELS) as launches:
         ys = conv.conv_fwd(x, w, 3)  # a KDA layer's q, k and v
         conv.conv_bwd(x, w, [torch.empty_like(y) for y in ys])
     return launches

@@ -83,7 +83,7 @@ def kernel_times(x: torch.Tensor, w: torch.Tensor, dy: list[torch.Tensor], bench
     default = dict(conv.TUNING)
     y0, (dx0, _) = conv.conv_fwd(x, w, 3), conv.conv_bwd(x, w, dy)
     rows = []
-    for kernel in ("fwd", "bwd_p", "bwd_dx"):
+    for kernel in tuple(conv.TUNING):  # each kernel of conv_fwd and conv_bwd (TUNING sets them all)
         for bt, bc, warps in itertools.product(*SWEEP.values()):
             conv.TUNING[kernel] = (bt, bc, warps)
             try:
@@ -166,7 +166,7 @@ def table(r: dict) -> str:
                       "`_bwd_dx` timed as the whole backward launcher; default "
                       f"{', '.join(f'{k} {v}' for k, v in conv.TUNING.items())}):", "",
                   "| kernel | time steps x channels, warps | ms | y and dx as the default's |", "|---|---|---|---|"]
-        for kernel in ("fwd", "bwd_p", "bwd_dx"):
+        for kernel in conv.TUNING:
             done = sorted((x for x in sw["rows"] if x["kernel"] == kernel and x["ms"] is not None),
                           key=lambda x: x["ms"])
             for x in done[:3]:

@@ -27,6 +27,7 @@ KDA_FWD_KERNELS = ("_intra_fwd", "_wy_fwd", "_prep_fwd", "_scan_fwd", "_scan_fwd
 KDA_BWD_KERNELS = ("_scan_bwd", "_scan_bwd_t", "_main_bwd")
 """The kernels ``k3lit.kernels.kda.chunk_bwd`` launches."""
 SHORT_CONV_KERNELS = ("_fwd", "_bwd_p", "_bwd_dx")
+"""The kernels ``k3lit.kernels.short_conv.conv`` launches."""
 ATTN_RES_TWO_PHASE_KERNELS = ("_inter_fwd", "_inter_bwd_logits", "_inter_bwd_sources", "_merge_fwd", "_merge_bwd")
 ATTN_RES_MIX_KERNELS = ("_mix_fwd", "_mix_bwd")
 ROUTING_CAPACITY_KERNELS = ("_free_choices", "_admit")

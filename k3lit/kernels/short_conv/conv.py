@@ -11,7 +11,7 @@ The forward keeps nothing but its inputs. The backward runs in two passes: the f
 position, writes ``p`` (float32) and reduces ``dw`` per program in registers; the second forms ``dx`` from ``W``
 shifted reads of ``p``. Recomputing ``pre`` at the ``W`` shifts ``dx`` needs inside one pass would cost ``W²``
 tile loads and ``W`` sigmoids per element: the backward would be bound by instructions, not bytes. All sums in
-float32, in the same order as a one-pass form, so the float32 ``p`` round trip changes no bit. The
+float32; ``p`` goes through memory as float32, so its round trip changes no bit. The
 ``[programs, C, W]`` partials of ``dw`` are summed in torch (deterministic, no atomics). The layout needs no
 transposes: the projections produce ``[B, T, C]`` and the KDA op consumes it.
 
