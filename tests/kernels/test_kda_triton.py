@@ -140,30 +140,33 @@ def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layou
     relative; o's error against float64 is ~2.4e-3; on the H200 none to 3 of the 179,200 elements differed,
     relative RMS <= 5e-10; under the interpreter none to one of the 10,080, depending on the seed). bf16 inputs
     (float32 ones keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value blocks part
-    masked), 128 on the GPU."""
+    masked), 128 on the GPU, over 16 draws there: with the fused gate the final state of about one draw in eight
+    differed in the last bit while the forward that saves G took the scans' G_last from its second cumsum."""
     from k3lit.kernels.kda import kda_triton
 
     launched = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: name)
-    K, V, T, dtype = (128, 128, 700, torch.bfloat16) if DEV == "cuda" else (80, 72, 70, torch.bfloat16)
-    q, k, v, g, beta, h0 = make_inputs(1, T, 2, K, V, N=2, dtype=dtype)
-    cu = torch.tensor([0, 9, T], device=DEV)
-    kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * K, device=DEV)) if fused else {}
-    if fused:
-        g = torch.randn_like(g)
-    with torch.no_grad():
-        o_inf, ht_inf = kda_triton(q, k, v, g, beta, None, h0, True, cu, **kw)
-    assert launched == []
-    o, ht = kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
-    assert launched == ([] if scan_layout == "transposed" else ["_out_fwd"])
-    assert o.requires_grad
-    assert torch.equal(ht_inf, ht.detach())
-    if scan_layout == "plain":
-        differ = (o_inf != o.detach()).float().mean().item()
-        diff = rel_rms(o_inf, o.detach())
-        print(f"o: {differ:.2e} of the elements differ, relative RMS {diff:.2e}")
-        assert differ < 5e-4 and diff < 1e-4
-    else:
-        assert torch.equal(o_inf, o.detach())
+    K, V, T, draws = (128, 128, 700, 16) if DEV == "cuda" else (80, 72, 70, 1)
+    for draw in range(draws):
+        launched.clear()
+        q, k, v, g, beta, h0 = make_inputs(1, T, 2, K, V, N=2, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 9, T], device=DEV)
+        kw = dict(use_gate_in_kernel=True, gate_bias=torch.randn(2 * K, device=DEV)) if fused else {}
+        if fused:
+            g = torch.randn_like(g)
+        with torch.no_grad():
+            o_inf, ht_inf = kda_triton(q, k, v, g, beta, None, h0, True, cu, **kw)
+        assert launched == []
+        o, ht = kda_triton(q, k, v, g.requires_grad_(), beta, None, h0, True, cu, **kw)
+        assert launched == ([] if scan_layout == "transposed" else ["_out_fwd"])
+        assert o.requires_grad
+        assert torch.equal(ht_inf, ht.detach()), f"draw {draw}"
+        if scan_layout == "plain":
+            differ = (o_inf != o.detach()).float().mean().item()
+            diff = rel_rms(o_inf, o.detach())
+            print(f"o: {differ:.2e} of the elements differ, relative RMS {diff:.2e}")
+            assert differ < 5e-4 and diff < 1e-4
+        else:
+            assert torch.equal(o_inf, o.detach()), f"draw {draw}"
 
 
 @pytest.mark.gpu  # also on the CPU: the GPU suite runs it for the bit-for-bit check

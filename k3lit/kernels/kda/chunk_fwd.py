@@ -150,8 +150,8 @@ def _intra_chunk(
         msk = m_t[:, None] & (cols < K)[None, :]
         off = tok[:, None] * (H * K) + i_h * K + cols[None, :]
         b_G = tl.cumsum(_log_decay(g, bias, off, msk, i_h, cols, g_min, K, GATE), axis=0)
-        if GC_ALL:
-            tl.store(Gc + off, b_G, mask=msk)
+        if GC_ALL:  # all rows but the last, which the G_last store below writes
+            tl.store(Gc + off, b_G, mask=msk & (rows != n_valid - 1)[:, None])
         b_Gr = _row(b_G, rows, R)
         up = _exp_rebased(b_G - b_Gr[None, :], F32)  # |exponent| <= |g_min| * ceil((C - 1) / 2) <= 87
         dn = _exp_rebased(b_Gr[None, :] - b_G, F32)
@@ -161,10 +161,11 @@ def _intra_chunk(
             b_k *= r_k[:, None]
             b_q *= r_q[:, None]
         g_last = _row(b_G, rows, n_valid - 1)
-        if not GC_ALL:
-            # the scans' G_last alone, as a vector: the tile store would get float32's own layout, for which
-            # Triton forms the cumsum a second time (twice the shuffles) rather than convert the tile
-            tl.store(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + cols, g_last, mask=cols < K)
+        # G_last, which the scans and the backward read, always from this vector: for the tile store Triton forms
+        # the cumsum a second time in float32's store layout (twice the shuffles) rather than convert the tile,
+        # and with GATE that second cumsum's last row differed from this one in the last bit for some inputs (on
+        # an H100), so the inference forward's final state would differ from the training forward's
+        tl.store(Gc + (t0 + n_valid - 1) * (H * K) + i_h * K + cols, g_last, mask=cols < K)
         # exp(G_last - G) = dn exp(G_last - G_R) and exp(G) = up exp(G_R): two exponentials of the tile, not four.
         # |G_R| and |G_last - G_R| <= |g_min| * ceil((C - 1) / 2) <= 87, so each factor is at least e^-87, a
         # normal float32
