@@ -140,8 +140,8 @@ def test_inference_forward_equals_training_forward(seed, monkeypatch, scan_layou
     relative; o's error against float64 is ~2.4e-3; on the H200 none to 3 of the 179,200 elements differed,
     relative RMS <= 5e-10; under the interpreter none to one of the 10,080, depending on the seed). bf16 inputs
     (float32 ones keep ``_out_fwd``); K = 80 and V = 72 on the CPU (keys above one 64-wide step, value blocks part
-    masked), 128 on the GPU, over 16 draws there: with the fused gate the final state of about one draw in eight
-    differed in the last bit while the forward that saves G took the scans' G_last from its second cumsum."""
+    masked), 128 on the GPU, over 16 draws there: a G_last taken from another cumsum than the one Kd is formed
+    with changes the final state's last bit in about one draw in eight with the fused gate, which one draw misses."""
     from k3lit.kernels.kda import kda_triton
 
     launched = spy_launches(monkeypatch, ("_out_fwd",), lambda name, kw: name)
