@@ -50,13 +50,23 @@ def command(argv: list[str] | None = None) -> str:
 
 
 def write_section(title: str, body: str, path: Path = RESULTS) -> None:
-    """Replace (or append) the ``## title`` section of ``path`` (default RESULTS.md) with ``body``."""
+    """Replace (or append) the ``## title`` section of ``path`` (default RESULTS.md) with ``body``. The old
+    section's ``###`` subsections, readings of its figures written by hand, are kept after the new body.
+
+    Raises:
+        ValueError: ``body`` holds a ``###`` heading (a script's body has none, so that the hand-written part is
+            told apart from it).
+    """
+    if re.search(r"^### ", body, re.M):
+        raise ValueError(f"write_section({title!r}): a ### heading in the body would be kept as hand-written")
     header = "# Benchmark results\n\nEach section is written by the script it names.\n"
     path = Path(path)
     text = path.read_text() if path.exists() else header
-    section = f"## {title}\n\n{body.strip()}\n\n"
     pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    old = pattern.search(text)
+    hand = re.search(r"^### .*", old[0], re.S | re.M) if old else None
+    section = f"## {title}\n\n{body.strip()}\n\n" + (f"{hand[0].strip()}\n\n" if hand else "")
+    text = text[:old.start()] + section + text[old.end():] if old else text.rstrip() + "\n\n" + section
     path.write_text(text)
 
 

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from benchmarks import balance, kda_accuracy, kda_first_call, moe
 from benchmarks.results import command, write_section
 
@@ -27,6 +29,24 @@ def test_write_section_replaces_its_own_section_only(tmp_path):
     assert text.startswith("# Benchmark results\n")
     assert sections(text) == {"A": "second a\n\n| x |", "B": "first b"}
     assert text.index("## A") < text.index("## B")
+
+
+def test_write_section_keeps_the_hand_written_subsections(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    write_section("A", "table 1", path)
+    write_section("B", "first b", path)
+    hand = "### Reading\n\nby hand, with #### and ## inside"
+    path.write_text(path.read_text().replace("table 1\n", f"table 1\n\n{hand}\n"))
+    write_section("A", "table 2", path)
+    text = path.read_text()
+    assert sections(text) == {"A": f"table 2\n\n{hand}", "B": "first b"}
+    write_section("A", "table 3", path)
+    assert text.replace("table 2", "table 3") == path.read_text()
+
+
+def test_write_section_refuses_a_body_with_a_subsection(tmp_path):
+    with pytest.raises(ValueError, match="### heading"):
+        write_section("A", "table\n\n### by a script", tmp_path / "RESULTS.md")
 
 
 def test_command_names_the_script_from_the_repository_root():
