@@ -203,6 +203,7 @@ def profile_config(cfg: ModelConfig, batch: int, seq: int, steps: int, rows: int
         "sublayers": n_sub,
         "top_dispatched": counter.counts.most_common(12),
         "kernel_groups": _grouped_ms(kernels, steps) if kernels else None,
+        "group_kernels": _group_kernels(kernels, steps) if kernels else None,
         "batch": batch,
         "seq": seq,
     }
@@ -229,6 +230,15 @@ def _grouped_ms(kernels: list, steps: int) -> dict[str, float]:
     for e in kernels:
         ms[kernel_group(e.key)] += e.self_device_time_total / steps / 1e3
     return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+
+def _group_kernels(kernels: list, steps: int, top: int = 10) -> dict[str, list[tuple[str, float, float]]]:
+    """Each kernel group's ``top`` kernels by device time: ``[(name, ms per step, calls per step)]``, largest
+    first, so a stored summary says what a group's milliseconds are made of."""
+    rows: dict[str, list] = collections.defaultdict(list)
+    for e in kernels:
+        rows[kernel_group(e.key)].append((e.key, e.self_device_time_total / steps / 1e3, e.count / steps))
+    return {g: sorted(r, key=lambda x: -x[1])[:top] for g, r in rows.items()}
 
 
 def side_by_side(runs: list[tuple[str, dict]]) -> str:

@@ -65,6 +65,21 @@ def test_every_kernel_of_a_profiled_h200_step_falls_in_its_group():
     assert abs(kda - (12.73 + 4.57 + 1.58 + 1.03)) < 1e-6
 
 
+def test_each_group_keeps_its_largest_kernels():
+    """The stored summary names what each group's time is made of: its kernels by device time per step."""
+    from types import SimpleNamespace as E
+
+    kernels = [E(key="_main_bwd", self_device_time_total=2.4e4, count=18),
+               E(key="_prep_fwd", self_device_time_total=9e3, count=18),
+               E(key="void at::native::reduce_kernel<128, 4>", self_device_time_total=3e3, count=6)]
+    kernels += [E(key=f"triton_poi_fused_{i}", self_device_time_total=100.0 * i, count=2) for i in range(1, 13)]
+    top = profile_step._group_kernels(kernels, steps=2)
+    assert top["KDA"] == [("_main_bwd", 12.0, 9.0), ("_prep_fwd", 4.5, 9.0)]
+    assert top[profile_step.OTHER_KERNELS] == [("void at::native::reduce_kernel<128, 4>", 1.5, 3.0)]
+    fused = top["inductor's fused kernels (norms, gates, casts)"]
+    assert [name for name, _, _ in fused] == [f"triton_poi_fused_{i}" for i in range(12, 2, -1)]
+
+
 def test_runs_side_by_side_by_kernel_group():
     a = {"kernel_groups": {"KDA": 20.0, "GEMM (projections, LM head)": 18.0}, "device_ms": 38.0, "kernels": 900,
          "wall_ms": 41.5}
