@@ -28,8 +28,9 @@ listed values. Per configuration it prints:
   (<GPU>)").
 
 With ``--out DIR`` each configuration's full tables (60 rows) go to ``DIR/<recipe or size>[_<grid values>].txt``,
-and ``DIR/summary.json`` collects the summary lines. The step is ``benchmarks/throughput.py``'s (bf16 autocast,
-float32 weights, fused AdamW, clipping, balancer update; the loss compiled when the model is).
+and ``DIR/summary.json`` collects the summaries (with each kernel group's ten largest kernels, ``group_kernels``).
+The step is ``benchmarks/throughput.py``'s (bf16 autocast, float32 weights, fused AdamW, clipping, balancer
+update; the loss compiled when the model is).
 """
 
 from __future__ import annotations
