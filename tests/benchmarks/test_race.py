@@ -57,7 +57,8 @@ def test_two_recipes_race_on_the_same_bytes(tmp_path):
         seconds = [s for s, _, _ in r["curve"]]
         # the run's clock: a 6 s budget, and a validation starts before it ends
         assert len(seconds) >= 2 and seconds == sorted(seconds) and seconds[-1] < 6 + 5, r["curve"]
-        assert r["steps"] > 2 and math.isfinite(r["final_val_loss"])
+        # how many steps fit in the 6 s is the machine's (2 for k3_b4 on a loaded 2-core machine): none is asserted
+        assert r["steps"] >= 1 and math.isfinite(r["final_val_loss"])
         assert r["first_step_s"] is not None and r["first_step_s"] >= 0  # read from the summary (0.0 s can happen)
     text = table(result, "race.png")
     # runs, the MoE runs' worst-layer rows and per-layer rows (4 measures each), positions rows, and the per-step
