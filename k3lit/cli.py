@@ -79,6 +79,7 @@ from k3lit.train.summary import RunSummary, process_age_s
 from k3lit.train.tensorboard_log import RunTensorBoardLogger
 
 DEFAULT_EVERY_N_STEPS = 100  # checkpoint and heatmap interval when val_check_interval is neither steps nor a time
+SCORING = ("validate", "test", "predict")  # the sub-commands that read trained weights (--ckpt_path) and train none
 
 
 def _instantiate(parser: ArgumentParser, cfg: Any) -> Any:
@@ -166,6 +167,11 @@ class K3CLI(LightningCLI):
             quiet_validate()
         self.datamodule = self._value(self.config_init, "data")
         ages["data"] = process_age_s()
+        accelerator = self._value(self.config_init, "trainer", default={}).get("accelerator")
+        if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            raise ValueError(f"trainer.accelerator={accelerator}, and torch finds no CUDA device on this machine: "
+                             "train recipes/tiny.yaml here (make train), or pass --trainer.accelerator=cpu (slow for "
+                             "a GPU recipe)")
         self.trainer = self.instantiate_trainer(**self._trainer_kwargs())
         ages["trainer"] = process_age_s()
         if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default, not a configured one
@@ -179,6 +185,9 @@ class K3CLI(LightningCLI):
             model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
             self._align_with_checkpoint(ckpt_path)
         init_weights = self._init_weights(ckpt_path)
+        if ckpt_path is None and self.subcommand in SCORING:
+            raise ValueError(f"k3lit {self.subcommand} scores trained weights: add --ckpt_path (a checkpoint file, a "
+                             "sharded folder, or `last`: the run folder's checkpoints/last.ckpt)")
         if init_weights is not None:
             model_cfg = self._checkpoint_architecture(init_weights, model_cfg, flag="--init_weights")
         for logger in self.trainer.loggers:  # continue metrics.csv and the events only when a checkpoint is loaded
@@ -231,9 +240,12 @@ class K3CLI(LightningCLI):
                 warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
                 ckpt_path = compat.resolve_ckpt_path(self.trainer, fn, ckpt_path)
             if ckpt_path is None and asked == "last":
-                where = [str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if cb.dirpath]
+                where = " or ".join(str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if cb.dirpath)
+                if self.subcommand in SCORING:
+                    raise FileNotFoundError(f"--ckpt_path last: no last.ckpt in {where or 'the run folder'} to "
+                                            f"{self.subcommand}; give a checkpoint file or sharded folder")
                 init = self._value(self.config_init, "init_weights")
-                rank_zero_warn(f"--ckpt_path last: no last.ckpt in {' or '.join(where) or 'the run folder'} yet; "
+                rank_zero_warn(f"--ckpt_path last: no last.ckpt in {where or 'the run folder'} yet; "
                                + (f"this run starts from the weights of {init}" if init else
                                   "this run starts from scratch"))
             self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
@@ -252,10 +264,10 @@ class K3CLI(LightningCLI):
 
     def _align_with_checkpoint(self, ckpt_path: str) -> None:
         """Warn where this run and the checkpoint it loads disagree in a way that changes what the run does: ``fit``
-        resumed at or past its ``max_steps`` (nothing is left to train), ``validate`` on sequences of another
-        length than the checkpoint trained on. A resumed ``fit`` reads the corpus in the file order its run was
-        prepared in (``data.shuffle_documents``; sorted by path for a checkpoint that does not record it), so its
-        saved data position points into the same chunks."""
+        resumed at or past its ``max_steps`` or with its ``max_time`` spent (nothing is left to train), ``validate``
+        on sequences of another length than the checkpoint trained on. A resumed ``fit`` reads the corpus in the file
+        order its run was prepared in (``data.shuffle_documents``; sorted by path for a checkpoint that does not
+        record it), so its saved data position points into the same chunks."""
         record = checkpoint_record(ckpt_path)
         data = record.get("datamodule_hyper_parameters") or {}
         shuffled = bool(data.get("shuffle_documents", False))
@@ -268,6 +280,13 @@ class K3CLI(LightningCLI):
         if self.subcommand == "fit" and isinstance(step, int) and 0 <= max_steps <= step:
             rank_zero_warn(f"--ckpt_path {ckpt_path} is at step {step} and trainer.max_steps={max_steps}: nothing is "
                            "left to train; raise --trainer.max_steps to continue")
+        max_time = self._value(self.config_init, "trainer", default={}).get("max_time")
+        elapsed = ((record.get("callbacks") or {}).get("Timer") or {}).get("time_elapsed", {}).get("train")
+        if self.subcommand == "fit" and max_time is not None and elapsed is not None \
+                and compat.time_interval_seconds(max_time) <= elapsed:
+            rank_zero_warn(f"--ckpt_path {ckpt_path} has trained for {timedelta(seconds=round(elapsed))} and "
+                           f"trainer.max_time={max_time} counts the whole run: nothing is left to train; raise "
+                           "--trainer.max_time (DD:HH:MM:SS) or set --trainer.max_time=null to continue")
         trained = data.get("seq_len")
         if self.subcommand == "validate" and trained is not None and trained != self.datamodule.seq_len:
             rank_zero_warn(f"--ckpt_path {ckpt_path} trained on sequences of {trained} tokens; this validation reads "
@@ -333,9 +352,15 @@ class K3CLI(LightningCLI):
         docstring); unless configured, TensorBoard + CSV loggers, a last.ckpt checkpoint and the MoE heatmap every
         ``val_check_interval`` steps under default_root_dir, the throughput monitor, SLURM requeue, the end-of-run
         summary and a progress display. A run that loads a checkpoint continues the folder's ``metrics.csv`` and
-        ``last.ckpt`` (:meth:`instantiate_classes`)."""
+        ``last.ckpt`` (:meth:`instantiate_classes`). ``validate``, ``test`` and ``predict`` of a checkpoint inside
+        default_root_dir (``--ckpt_path last``, or a path there) log to ``<default_root_dir>/<sub-command>``, so that
+        the training run's ``config.yaml``, ``metrics.csv`` and events stay as training left them."""
         cfg = self._value(self.config_init, "trainer", default={})
         root = Path(cfg.get("default_root_dir") or "runs/default")
+        ckpt = self._value(self.config_init, "ckpt_path")
+        own = ckpt in ("last", "hpc") or (ckpt is not None and is_local_path(ckpt)
+                                          and Path(ckpt).resolve().is_relative_to(root.resolve()))
+        logs = root / str(self.subcommand) if self.subcommand in SCORING and own else root
         out: dict = {}
         every = cfg.get("val_check_interval")
         steps = isinstance(every, int) and not isinstance(every, bool)
@@ -348,8 +373,8 @@ class K3CLI(LightningCLI):
         every = every if steps and every > 0 else DEFAULT_EVERY_N_STEPS
         if cfg.get("logger") in (None, True):
             out["logger"] = [
-                RunTensorBoardLogger(root),  # append: set in instantiate_classes, once the checkpoint is resolved
-                RunCSVLogger(root),
+                RunTensorBoardLogger(logs),  # append: set in instantiate_classes, once the checkpoint is resolved
+                RunCSVLogger(logs),
             ]
         callbacks = list(cfg.get("callbacks") or [])
         if not any(isinstance(c, ModelCheckpoint) for c in callbacks):  # and when training ends
@@ -515,7 +540,12 @@ def positions_main(argv: list[str]) -> None:
     if train_len is None and (args.lengths is None or args.bucket_base is None):
         raise ValueError(f"{args.ckpt} records no data.seq_len: pass --lengths and --bucket_base")
     lengths = args.lengths or [train_len, 4 * train_len, 16 * train_len]
-    edges = pos.bucket_edges(max(lengths), args.bucket_base or train_len)
+    base = args.bucket_base or train_len
+    if min(lengths) < base:  # its blocks would fill only part of the first bucket, which the table names 0-base
+        raise ValueError(f"--lengths {min(lengths)} is shorter than the first position bucket (0-{base}: "
+                         f"{'--bucket_base' if args.bucket_base else 'the training length, --bucket_base by default'}):"
+                         f" pass lengths of at least {base}, or --bucket_base {min(lengths)}")
+    edges = pos.bucket_edges(max(lengths), base)
     prepared = K3DataModule(**data).prepared
     pos.check_same_tokenizer(prepared.tokenizer, ckpt.get(K3DataModule.__qualname__))
     device = torch.device(args.device)

@@ -236,7 +236,12 @@ def slurm_main(argv: list[str]) -> None:
     p.add_argument("--template", default=str(TEMPLATE))
     p.add_argument("--out", help="write the script here instead of stdout")
     p.add_argument("--submit", action="store_true", help="write it (to --out or a temporary file) and sbatch it")
-    a = p.parse_args(argv)
+    a, unknown = p.parse_known_args(argv)
+    if unknown:  # most often `k3lit fit` arguments written without the -- before them
+        fit_like = [x for x in unknown if x.startswith("--") and "." in x.split("=")[0]]
+        p.error(f"unrecognized arguments: {' '.join(unknown)}"
+                + (f"; arguments for `k3lit fit` go after --: k3lit slurm ... -- {' '.join(fit_like)}" if fit_like
+                   else ""))
     if a.gpus_per_node is not None:
         tasks, gpus = a.gpus_per_node, True
     elif a.tasks_per_node is not None:

@@ -384,11 +384,49 @@ def test_max_time_counts_the_whole_run_and_null_lifts_it_on_resume(tmp_path, cac
     ckpt = torch.load(last, weights_only=False)
     ckpt["callbacks"]["Timer"]["time_elapsed"]["train"] = 9 * 60.0  # as if the run had trained for its 9 minutes
     torch.save(ckpt, last)
-    main(fit_args(tmp_path, cache, 4, "--trainer.val_check_interval=2", "--ckpt_path", "last"))
+    with pytest.warns(UserWarning, match=r"has trained for 0:09:00 and trainer\.max_time=00:00:09:00 counts the whole "
+                                         r"run: nothing is left to train; raise --trainer\.max_time \(DD:HH:MM:SS\) or "
+                                         r"set --trainer\.max_time=null to continue"):
+        main(fit_args(tmp_path, cache, 4, "--trainer.val_check_interval=2", "--ckpt_path", "last"))
     assert torch.load(last, weights_only=False)["global_step"] == 2
     main(fit_args(tmp_path, cache, 4, "--trainer.val_check_interval=2", "--trainer.max_time=null", "--ckpt_path",
                   "last"))
     assert torch.load(last, weights_only=False)["global_step"] == 4
+
+
+def test_validate_scores_a_checkpoint_and_leaves_its_run_as_training_left_it(tmp_path, cache, monkeypatch, capsys):
+    """validate without --ckpt_path (or with `last` where there is none) has no trained weights to score: an error.
+    Of the run's own checkpoint (`last`, or a path inside default_root_dir) it logs to <root>/validate, so the
+    run's config.yaml and metrics.csv stay as training wrote them."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    main(fit_args(tmp_path, cache, 2))
+    kept = {name: (tmp_path / name).read_bytes() for name in ("config.yaml", "metrics.csv")}
+    val = ["validate", "--config", "recipes/tiny.yaml", *SMALL, f"--data.cache_dir={cache}"]
+    for extra, message in (([f"--trainer.default_root_dir={tmp_path}"], "k3lit validate scores trained weights: add "
+                                                                          "--ckpt_path (a checkpoint file"),
+                           ([f"--trainer.default_root_dir={tmp_path / 'new'}", "--ckpt_path", "last"],
+                            f"--ckpt_path last: no last.ckpt in {tmp_path / 'new' / 'checkpoints'} to validate")):
+        with pytest.raises(SystemExit) as e:
+            main([*val, *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
+    for ckpt in ("last", str(tmp_path / "checkpoints" / "last.ckpt")):
+        main([*val, f"--trainer.default_root_dir={tmp_path}", "--ckpt_path", ckpt])
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+    with open(tmp_path / "validate" / "metrics.csv") as f:
+        assert sum(bool(r.get("val/bpb")) for r in csv.DictReader(f)) == 2  # one row of each validation
+    saved = yaml.safe_load((tmp_path / "validate" / "config.yaml").read_text())
+    assert saved["ckpt_path"] == str(tmp_path / "checkpoints" / "last.ckpt")
+
+
+def test_a_gpu_recipe_on_a_machine_without_cuda_says_what_to_train_instead(monkeypatch, capsys):
+    monkeypatch.chdir(Path(__file__).parents[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", "recipes/small.yaml", "--trainer.max_steps=1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ("trainer.accelerator=gpu, and torch finds no CUDA device on this machine: train "
+                                  "recipes/tiny.yaml here (make train), or pass --trainer.accelerator=cpu") in err, err
 
 
 def test_a_checkpoint_at_max_steps_and_one_of_another_length_are_named(tmp_path, cache, monkeypatch, caplog):

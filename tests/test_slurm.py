@@ -67,6 +67,14 @@ def test_cli_reports_layout_error_before_anything_starts(capsys):
     assert "job layout" in capsys.readouterr().err
 
 
+def test_fit_arguments_without_the_separator_are_named_with_where_they_go(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["slurm", "--config", str(TINY), "--trainer.max_steps=100"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ("unrecognized arguments: --trainer.max_steps=100; arguments for `k3lit fit` go "
+                                  "after --: k3lit slurm ... -- --trainer.max_steps=100") in err, err
+
+
 def test_rendered_script_has_the_launch_contract():
     text = render(TINY, nodes=2, tasks_per_node=4, gpus=True, partition="gpu", account="proj", time="1:00:00",
                   fit_args=["--trainer.devices=4", "--trainer.num_nodes=2", "--trainer.accelerator=gpu"])

@@ -45,5 +45,5 @@ def _free(fs: Any, folder: str, stem: str, ext: str) -> str:
 
 
 def _warn(what: str, aside: str) -> None:
-    rank_zero_warn(f"{what} of an earlier run was moved to {aside}: this run starts from scratch (pass "
+    rank_zero_warn(f"moved {what} of an earlier run to {aside}: this run starts from scratch (pass "
                    "--ckpt_path last to continue a run)")

@@ -128,6 +128,18 @@ def test_a_split_too_small_for_a_length_is_a_clear_error(tiny_ckpt, capsys):
     assert e.value.code == 2 and "holds no block of 100,000,001 tokens" in err and "drop length 100000000" in err
 
 
+def test_a_length_shorter_than_the_first_bucket_is_a_clear_error(tiny_ckpt, capsys):
+    """Its blocks would fill only part of the bucket the table heads 0-32 (the training length)."""
+    for extra, hint in (([], "the training length, --bucket_base by default"),
+                        (["--bucket_base", "24"], "--bucket_base")):
+        with pytest.raises(SystemExit) as e:
+            main(["positions", "--ckpt", str(tiny_ckpt), "--lengths", "16", "64", *extra])
+        err = capsys.readouterr().err
+        base = 24 if extra else 32
+        assert e.value.code == 2 and f"--lengths 16 is shorter than the first position bucket (0-{base}: {hint})" in err
+        assert f"pass lengths of at least {base}, or --bucket_base 16" in err
+
+
 def test_default_lengths_are_1_4_and_16_times_the_training_length(tiny_ckpt, tmp_path):
     main(["positions", "--ckpt", str(tiny_ckpt), "--blocks", "1", "--json", str(tmp_path / "p.json")])
     report = json.loads((tmp_path / "p.json").read_text())
