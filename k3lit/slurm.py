@@ -238,9 +238,9 @@ def slurm_main(argv: list[str]) -> None:
     p.add_argument("--submit", action="store_true", help="write it (to --out or a temporary file) and sbatch it")
     a, unknown = p.parse_known_args(argv)
     if unknown:  # most often `k3lit fit` arguments written without the -- before them
-        fit_like = [x for x in unknown if x.startswith("--") and "." in x.split("=")[0]]
+        fit_like = any(x.startswith("--") and "." in x.split("=")[0] for x in unknown)  # --trainer.max_steps=...
         p.error(f"unrecognized arguments: {' '.join(unknown)}"
-                + (f"; arguments for `k3lit fit` go after --: k3lit slurm ... -- {' '.join(fit_like)}" if fit_like
+                + (f"; arguments for `k3lit fit` go after --: k3lit slurm ... -- {' '.join(unknown)}" if fit_like
                    else ""))
     if a.gpus_per_node is not None:
         tasks, gpus = a.gpus_per_node, True
