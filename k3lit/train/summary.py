@@ -231,8 +231,9 @@ class RunSummary(Callback):
         bpb = metrics.get("val/bpb")
         if bpb is None or self._val_step is None:
             ckpt, config = _last_checkpoint(trainer), Path(trainer.default_root_dir) / "config.yaml"
+            every = " --trainer.limit_val_batches=1.0" if trainer.limit_val_batches == 0 else ""  # the run's: none
             how = (f": {runnable('k3lit')} validate --config {shlex.quote(str(config))} --ckpt_path "
-                   f"{shlex.quote(ckpt)}") if ckpt and config.is_file() else ""
+                   f"{shlex.quote(ckpt)}{every}") if ckpt and config.is_file() else ""
             rows.append(("held-out bpb", f"no validation ran{how}"))
         else:
             n_bytes = getattr(trainer.lightning_module, "last_val_bytes", None)

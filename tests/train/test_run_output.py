@@ -128,13 +128,16 @@ def test_process_age_counts_from_the_interpreter_start():
 
 
 def test_a_run_without_validation_says_how_to_validate_its_checkpoint(tmp_path, stdlib_cache, monkeypatch):
-    """The summary's command, run as written in the working folder, validates the run's last checkpoint."""
+    """The summary's command, run in the working folder (on one batch here, for time), validates the run's last
+    checkpoint."""
     monkeypatch.chdir(ROOT)
     cli = K3CLI(args=fit_args(tmp_path, stdlib_cache, 2, 1) + ["--trainer.limit_val_batches=0"])
     row = dict(next(c for c in cli.trainer.callbacks if isinstance(c, RunSummary)).rows)["held-out bpb"]
     how = re.fullmatch(r"no validation ran: (\S+) (validate .*)", row)
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    assert how and how[2] == f"validate --config {tmp_path / 'config.yaml'} --ckpt_path {ckpt}"
+    # the run validated no batch (limit 0, saved in its config.yaml): the command reads the whole held-out split
+    assert how and how[2] == (f"validate --config {tmp_path / 'config.yaml'} --ckpt_path {ckpt} "
+                              "--trainer.limit_val_batches=1.0")
     out = subprocess.run([sys.executable, "-m", "k3lit.cli", *shlex.split(how[2]), "--trainer.limit_val_batches=1"],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300)
