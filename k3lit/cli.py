@@ -181,6 +181,13 @@ class K3CLI(LightningCLI):
             torch.set_float32_matmul_precision(self._value(self.config_init, "float32_matmul_precision", "high"))
         model_cfg: ModelConfig = self._value(self.config_init, "model")
         ckpt_path = self._resolve_ckpt_path()
+        if ckpt_path is not None and Path(ckpt_path).is_dir() \
+                and not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            raise ValueError(f"--ckpt_path {ckpt_path} is a sharded checkpoint (torch distributed checkpoint shards), "
+                             "which loads under ModelParallelStrategy on any number of processes; on one: "
+                             "--trainer.strategy=ModelParallelStrategy --trainer.strategy.data_parallel_size=1 "
+                             "--trainer.strategy.tensor_parallel_size=1 (k3lit generate, positions and export read "
+                             "it as it is)")
         if ckpt_path is not None:
             model_cfg = self._checkpoint_architecture(ckpt_path, model_cfg)
             self._align_with_checkpoint(ckpt_path)

@@ -102,3 +102,17 @@ def test_a_bad_checkpoint_ends_the_command_with_one_line_naming_it(command, kind
     assert last.startswith(f"k3lit: checkpoint {bad} cannot be read: "), err
     assert FAULTS[kind] in last and last.endswith("pass a checkpoint written by k3lit fit"), last
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_sharded_checkpoint_under_one_device_strategy_names_the_strategy_that_loads_it(command, written,
+                                                                                        stdlib_cache, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """Lightning's single-device loader would open the folder as a file (IsADirectoryError, a traceback)."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        main(_command(command, written["sharded"], stdlib_cache, tmp_path))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert (f"--ckpt_path {written['sharded']} is a sharded checkpoint (torch distributed checkpoint shards), which "
+            "loads under ModelParallelStrategy on any number of processes; on one: " + " ".join(SHARDED[2:])) in err
