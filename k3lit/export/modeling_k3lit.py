@@ -28,6 +28,8 @@ class K3LitConfig(PretrainedConfig):
 
 class K3LitForCausalLM(PreTrainedModel, GenerationMixin):
     """``forward(input_ids [B, T]) -> logits [B, T, vocab]`` (and the mean next-token loss given ``labels``).
+    ``attention_mask`` (what a tokenizer returns beside the ids) is accepted when it masks nothing: every token of
+    a row enters KDA's state and the attention, so a padded batch raises ValueError instead of scoring the padding.
 
     Generation runs the whole sequence again at every step (no key/value cache is handed to ``generate``);
     ``self.model.generate`` decodes with k3lit's recurrent states instead.
@@ -52,12 +54,18 @@ class K3LitForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module:  # noqa: D102
         return self.model.lm_head
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs: Any) -> dict[str, Any]:  # noqa: D102
-        return {"input_ids": input_ids}
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs: Any) -> dict[str, Any]:  # noqa: D102
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None, **kwargs: Any
     ) -> CausalLMOutput:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("K3LitForCausalLM reads every token of a row: a padded batch (zeros in attention_mask) "
+                             "would run the padding through KDA's state and the attention; pass the prompts one "
+                             "at a time, or a batch of equal lengths without padding")
         logits = self.model(input_ids)[0]
         loss = None
         if labels is not None:

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -34,11 +35,17 @@ def test_export_loads_in_transformers_with_equal_logits_and_greedy_tokens(tmp_pa
     ref = module.model.eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # config.json names k3lit
-    ids = tok("def main():\n    return", return_tensors="pt")["input_ids"]
+    enc = tok("def main():\n    return", return_tensors="pt")
+    ids = enc["input_ids"]
     assert ids[0].tolist() == list(b"def main():\n    return")  # the byte tokenizer's ids
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ref(ids)[0], rtol=0, atol=0)
         got = hf.generate(ids, max_new_tokens=12, do_sample=False)
+        assert hf.generate(**enc, max_new_tokens=12, do_sample=False).tolist() == got.tolist()  # with its mask
+        padded = enc["attention_mask"].clone()
+        padded[0, 0] = 0  # as a left-padded row of a batch
+        with pytest.raises(ValueError, match="a padded batch .* would run the padding through KDA's state"):
+            hf(ids, attention_mask=padded)
     want = ref.generate(ids, 12, temperature=0)
     assert got.tolist() == want.tolist()
     assert tok.decode(got[0]).startswith("def main():\n    return")
