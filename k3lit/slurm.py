@@ -13,7 +13,8 @@ The layout is checked against the recipe (with the ``--`` overrides applied) bef
 ``ModelParallelStrategy``'s ``data_parallel_size * tensor_parallel_size`` the number of tasks, and an
 ``ExpertParallelStrategy``'s mesh (replicas x data parallel x expert parallel, :func:`k3lit.parallel.mesh_shape`)
 the number of tasks and ``model.n_experts``. Where the recipe leaves them open (``devices: auto``), the
-rendered command sets them.
+rendered command sets them. ``k3lit slurm`` also parses the recipe with the ``--`` arguments as ``k3lit fit`` will
+(:func:`check_fit_args`), so a misspelt argument fails here, not after the job's wait in the queue.
 """
 
 from __future__ import annotations
@@ -211,6 +212,22 @@ def render(
     return text
 
 
+def check_fit_args(config: str | Path, fit_args: list[str]) -> None:
+    """Parse ``k3lit fit --config config *fit_args`` here, as the job would on its nodes (``--print_config``: the
+    arguments and the recipe are read, nothing is built), so that a misspelt argument fails now, not once the job
+    has waited in the queue.
+
+    Raises:
+        ValueError: what ``k3lit fit`` says of the arguments (its last line).
+    """
+    out = subprocess.run([sys.executable, "-m", "k3lit.cli", "fit", "--config", str(config), *fit_args,
+                          "--print_config"], capture_output=True, text=True)
+    if out.returncode:
+        said = [line.strip() for line in out.stderr.splitlines() if line.strip()]
+        raise ValueError(f"`k3lit fit --config {config} {shlex.join(fit_args)}`, which the job would run, does not "
+                         f"parse: {said[-1] if said else f'exit status {out.returncode}'}")
+
+
 def slurm_main(argv: list[str]) -> None:
     """``k3lit slurm``: render an sbatch script from a recipe (and optionally submit it)."""
     fit_args: list[str] = []
@@ -253,6 +270,7 @@ def slurm_main(argv: list[str]) -> None:
                       a.job_name, a.mem, a.output, a.sbatch, fit_args, a.python, template=a.template)
     except LayoutError as e:
         raise ValueError(f"job layout: {e}") from None
+    check_fit_args(a.config, fit_args)
     if not a.submit:
         if a.out:
             Path(a.out).write_text(text)

@@ -75,6 +75,15 @@ def test_fit_arguments_without_the_separator_are_named_with_where_they_go(capsys
                                   "after --: k3lit slurm ... -- --trainer.max_steps=100") in err, err
 
 
+def test_a_misspelt_fit_argument_fails_before_the_job_is_written(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["slurm", "--config", str(TINY), "--out", str(tmp_path / "job.sbatch"), "--", "--trainer.max_stepz=5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and (f"`k3lit fit --config {TINY} --trainer.max_stepz=5`, which the job would run, does "
+                                  "not parse: --trainer.max_stepz: did you mean --trainer.max_steps") in err, err
+    assert not (tmp_path / "job.sbatch").exists()
+
+
 def test_rendered_script_has_the_launch_contract():
     text = render(TINY, nodes=2, tasks_per_node=4, gpus=True, partition="gpu", account="proj", time="1:00:00",
                   fit_args=["--trainer.devices=4", "--trainer.num_nodes=2", "--trainer.accelerator=gpu"])
