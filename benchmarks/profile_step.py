@@ -61,6 +61,7 @@ from k3lit.kernels.launches import (  # noqa: E402
     ATTN_RES_TWO_PHASE_KERNELS,
     KDA_BWD_KERNELS,
     KDA_FWD_KERNELS,
+    ROUTING_CAPACITY_KERNELS,
     SHORT_CONV_KERNELS,
 )
 from k3lit.model import ModelConfig  # noqa: E402
@@ -76,10 +77,11 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("short convolution", SHORT_CONV_KERNELS, ()),
     ("AttnRes", (*ATTN_RES_TWO_PHASE_KERNELS, *ATTN_RES_MIX_KERNELS), ()),
     ("cross-entropy", (), ("log_softmax", "nll_loss", "SoftMax")),
-    ("softmax attention", (), ("sdpa", "flash", "fmha", "attention")),
+    # cuDNN's SDPA backward runs its dO·O and dQ-conversion kernels (cudnn::fusion::) beside the main one
+    ("softmax attention", (), ("sdpa", "flash", "fmha", "attention", "cudnn::fusion::")),
     ("grouped GEMM (MoE experts)", (), ("cutlass13device_kernel", "GroupedGemm", "grouped_gemm")),
     ("GEMM (projections, LM head)", (), ("nvjet", "gemm", "xmma", "cutlass")),
-    ("routing: top-k and sort", (), ("topk", "TopK", "sort", "Sort", "radix")),
+    ("routing: top-k and sort", ROUTING_CAPACITY_KERNELS, ("topk", "TopK", "sort", "Sort", "radix")),
     ("optimizer", (), ("multi_tensor_apply", "adam", "Adam")),
     ("inductor's fused kernels (norms, gates, casts)", (), ("triton_",)),
 )
