@@ -276,6 +276,7 @@ class K3CLI(LightningCLI):
         order its run was prepared in (``data.shuffle_documents``; sorted by path for a checkpoint that does not
         record it), so its saved data position points into the same chunks."""
         record = checkpoint_record(ckpt_path)
+        self._check_tokenizer(ckpt_path, record, "--ckpt_path")
         data = record.get("datamodule_hyper_parameters") or {}
         shuffled = bool(data.get("shuffle_documents", False))
         if self.subcommand == "fit" and shuffled != self.datamodule.shuffle_documents:
@@ -325,11 +326,17 @@ class K3CLI(LightningCLI):
                                  "aside; start the new run in another folder (--trainer.default_root_dir=...), or "
                                  "resume this one with --ckpt_path last")
         # the specs now; a trained BPE's vocabulary once the corpus is prepared (K3LitModule.configure_model)
-        record = checkpoint_record(path)
+        self._check_tokenizer(path, checkpoint_record(path), "--init_weights")
+        return path
+
+    def _check_tokenizer(self, path: str, record: dict, flag: str) -> None:
+        """Raise :func:`tokenizer_error` when the checkpoint ``path`` (``record``: :func:`checkpoint_record`) names
+        another tokenizer spec than this run's data, before any weight is read. A tokenizer file, named by its path,
+        is not compared here; ``--init_weights`` compares its content when it loads
+        (:func:`k3lit.train.checkpoint.load_initial_weights`)."""
         saved, ours = (record.get("K3DataModule") or {}).get("tokenizer_spec"), self.datamodule.tokenizer_spec
         if saved is not None and saved != ours and "file" not in {parse_tokenizer_spec(s)[0] for s in (saved, ours)}:
-            raise tokenizer_error(path, record, ours)
-        return path
+            raise tokenizer_error(path, record, ours, flag)
 
     def _checkpoint_architecture(self, ckpt_path: str, model_cfg: ModelConfig,
                                  flag: str = "--ckpt_path") -> ModelConfig:
@@ -448,8 +455,9 @@ def generate_main(argv: list[str]) -> None:
     parser = ArgumentParser(prog="k3lit generate", description=generate_main.__doc__, allow_abbrev=False)
     parser.add_argument("--ckpt", type=str, required=True,
                         help="a .ckpt file or a sharded checkpoint folder (FSDP2 / expert-parallel runs) of k3lit fit")
-    parser.add_argument("--prompt", type=str, default="def ",
-                        help="the text to continue; empty: a new document (the end-of-document token alone)")
+    parser.add_argument("--prompt", type=str | None, default=None,
+                        help="the text to continue (default 'def '); empty: a new document (the end-of-document "
+                             "token alone)")
     parser.add_argument("--prompt_file", type=str | None, default=None,
                         help="read the prompt from this text file instead of --prompt")
     parser.add_argument("--prompt_tokens", type=int | None, default=None,
@@ -470,13 +478,15 @@ def generate_main(argv: list[str]) -> None:
     _add_reach_arguments(parser)
     args = parser.parse_args(argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give --prompt or --prompt_file, not both")
     ckpt = load_model_checkpoint(args.ckpt)
     model = _checkpoint_model(ckpt, **_reach(args)).to(args.device)
     if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint
         tok = tokenizer_from_state(ckpt[K3DataModule.__qualname__])
     else:
         tok = K3DataModule(**compat.init_args(ckpt["datamodule_hyper_parameters"])).tokenizer
-    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    text = Path(args.prompt_file).read_text() if args.prompt_file else "def " if args.prompt is None else args.prompt
     ids = tok.encode(text) if text else [tok.eos_id]  # nothing: a new document, as after a document's end in training
     if not ids:
         raise ValueError("--prompt must encode to at least one token")
@@ -567,9 +577,10 @@ def positions_main(argv: list[str]) -> None:
             print(f"length {length:,}: the held-out split holds {count} blocks of {length + 1:,} tokens; using {count}")
         results.append(pos.evaluate_length(model, blocks, byte_table, edges, torch.bfloat16 if bf16 else None,
                                            window=args.window or train_len))
-    across = ("each document restarts KDA state and attention (document_masking)" if model.config.document_masking
-              else "KDA state and attention run across document boundaries within a block")
     c = model.config
+    mixers = "KDA state and attention" if "K" in c.layer_pattern else "attention"
+    across = (f"each document restarts {mixers} (document_masking)" if c.document_masking
+              else f"{mixers} run across document boundaries within a block")
     reach = (f"; softmax attention over the last {c.attn_window} tokens" if c.attn_window else "") + (
         f"; queries scaled by log-n beyond {c.attn_logn_base} positions" if c.attn_logn_base else "")
     print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "

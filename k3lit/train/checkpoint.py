@@ -121,14 +121,14 @@ def checkpoint_hparams(path: str | Path) -> dict[str, Any]:
     return checkpoint_record(path).get("hyper_parameters", {})
 
 
-def tokenizer_error(path: str | Path, record: dict[str, Any], ours: str) -> ValueError:
-    """The error for an ``--init_weights`` checkpoint (``record``: :func:`checkpoint_record`) whose tokenizer is not
+def tokenizer_error(path: str | Path, record: dict[str, Any], ours: str, flag: str = "--init_weights") -> ValueError:
+    """The error for a checkpoint given to ``flag`` (``record``: :func:`checkpoint_record`) whose tokenizer is not
     this run's (``ours``: its spec), naming the checkpoint's tokenizer and corpus."""
     saved = (record.get("K3DataModule") or {}).get("tokenizer_spec")
     corpus = (record.get("datamodule_hyper_parameters") or {}).get("corpus")
     what = (f"its tokenizer {saved!r} was trained on other text than this run's" if saved == ours else
             f"the checkpoint was trained with tokenizer {saved!r}, this run reads {ours!r}")
-    return ValueError(f"--init_weights {path}: {what}, so its token ids would stand for other text; set "
+    return ValueError(f"{flag} {path}: {what}, so its token ids would stand for other text; set "
                       f"--data.tokenizer={saved} --data.corpus={corpus} (the checkpoint's)")
 
 

@@ -94,6 +94,15 @@ def test_another_tokenizer_is_refused_before_anything_runs(tmp_path, stdlib_cach
         K3CLI(args=_args(tmp_path, stdlib_cache, 2, "--init_weights", str(source), tokenizer="bpe:300"), run=False)
 
 
+@pytest.mark.parametrize("subcommand", ["validate", "fit"])
+def test_a_ckpt_path_of_another_tokenizer_names_the_tokenizer(tmp_path, stdlib_cache, source, subcommand):
+    """`--ckpt_path` of a byte-tokenizer run under a `bpe:300` recipe: the error names the checkpoint's tokenizer and
+    corpus, before the vocabulary check would blame a model.vocab_size that came from the checkpoint."""
+    with pytest.raises(ValueError, match=r"--ckpt_path .*trained with tokenizer 'byte', this run reads 'bpe:300', "
+                                         r"so .*; set --data\.tokenizer=byte --data\.corpus=stdlib"):
+        K3CLI(args=[subcommand, *_args(tmp_path, stdlib_cache, 2, "--ckpt_path", str(source), tokenizer="bpe:300")])
+
+
 def test_a_path_that_is_no_checkpoint_is_named_with_the_flag(tmp_path, stdlib_cache):
     with pytest.raises(ValueError, match=r"--init_weights takes a checkpoint file or sharded folder; 'last' is for "
                                          r"--ckpt_path"):
