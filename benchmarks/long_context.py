@@ -1,6 +1,6 @@
 """Training throughput against sequence length: a recipe's model and a plain transformer at the same tokens a step.
 
-    python benchmarks/long_context.py --recipe recipes/small.yaml --plain_recipe recipes/small_plain.yaml \
+    python benchmarks/long_context.py --recipe recipes/small.yaml --plain_recipe recipes/small_plain.yaml \\
         --seqs 2048,8192,32768,65536 --tokens 65536 --json benchmarks/long_context_h200.json        # on the GPU
     python benchmarks/long_context.py --from_json benchmarks/long_context_h200.json   # RESULTS.md section only
 
@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results import command, versions, write_section  # noqa: E402
-from benchmarks.throughput import bench, recipe_config  # noqa: E402
+from benchmarks.results import add_results_argument, command, load_json, versions, write_result  # noqa: E402
+from benchmarks.throughput import bench, check_run, recipe_config  # noqa: E402
 from k3lit.model import ModelConfig  # noqa: E402
 
 SECTION = "Throughput against sequence length"
@@ -114,14 +114,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the raw results here (after every row)")
     p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
+    add_results_argument(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     a = parser().parse_args(argv)
     if a.from_json:
-        write_section(SECTION, table(json.loads(Path(a.from_json).read_text())))
+        write_result(a.results, SECTION, table(load_json(a.from_json, "models")))
         return None
+    check_run(a.device, [a.compile], a.warmup, a.steps)
     seqs = [int(s) for s in a.seqs.split(",")]
     k3, _ = recipe_config(Path(a.recipe), None)
     plain, _ = recipe_config(Path(a.plain_recipe), k3.vocab_size)

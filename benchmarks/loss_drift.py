@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.race import read_csv  # noqa: E402
-from benchmarks.results import add_output_arguments, command, run_or_load, versions  # noqa: E402
+from benchmarks.results import add_fit_args_argument, add_output_arguments, command, run_or_load, versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,8 +128,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="recipes/small.yaml")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default="runs/loss_drift", help="folder of the runs, their logs and corpora")
-    p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
     add_output_arguments(p, "raw losses")
+    add_fit_args_argument(p)
     return p
 
 

@@ -5,7 +5,7 @@
     python benchmarks/profile_step.py --size 300m --grid residual=plain,block_attnres \\
         activation_checkpointing=none,block --out prof/                              # 4 configurations
     python benchmarks/profile_step.py --recipe recipes/small.yaml --trace trace.json  # Chrome/Perfetto trace
-    python benchmarks/profile_step.py --recipe recipes/small.yaml recipes/small_plain.yaml --compile sublayers \
+    python benchmarks/profile_step.py --recipe recipes/small.yaml recipes/small_plain.yaml --compile sublayers \\
         --write                                        # device time by kernel group, side by side, in RESULTS.md
 
 ``--size`` takes the model, batch and sequence length of ``benchmarks/attnres.py``'s SIZES (``300m``: a 299M
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnres import SIZES  # noqa: E402
 from results import command, environment, write_section  # noqa: E402
-from throughput import COMPILE, build_model, make_step, recipe_config  # noqa: E402
+from throughput import COMPILE, GRAPHS, build_model, make_step, recipe_config  # noqa: E402
 
 from k3lit.kernels.launches import (  # noqa: E402
     ATTN_RES_MIX_KERNELS,
@@ -337,6 +337,11 @@ def main() -> None:
                    help="write the device time by kernel group, the runs side by side, to RESULTS.md's section "
                         f"{SECTION!r} (GPU runs only)")
     a = p.parse_args()
+    if not torch.cuda.is_available():  # what only a GPU run gives, refused before the profile runs
+        if a.compile in GRAPHS:
+            p.error(f"--compile {a.compile} replays CUDA graphs: run it on a GPU")
+        if a.write:
+            p.error("--write tabulates device kernels: run it on a GPU")
     bases = []  # (name, config, batch, seq)
     if a.size:
         spec = SIZES[a.size]

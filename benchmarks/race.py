@@ -28,7 +28,8 @@ with MoE layers the expert load is recorded too: train MaxVio_batch over the sec
 MaxVio_global of the final pass, the re-routed share.
 
 Writes the raw runs (``--json``), a PNG of held-out bits per byte against seconds (``--png``, default beside the
-JSON) and RESULTS.md's section "Race at equal wall-clock (<GPU>)".
+JSON) and RESULTS.md's section "Race at equal wall-clock (<GPU>)" (``--results``: another file, or ``none``). Recipe
+paths and ``--out`` are read from the repository's root, ``--json`` and ``--png`` from the current folder.
 """
 
 from __future__ import annotations
@@ -52,7 +53,15 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results import command, versions, write_section  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    add_fit_args_argument,
+    add_results_argument,
+    check_recipes,
+    command,
+    load_json,
+    versions,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,8 +268,9 @@ def bpb(r: dict, ref: dict) -> float | None:
     return r["final_val_loss"] * ref["blocks"] * ref["seq_len"] / math.log(2) / ref["bytes"]
 
 
-def plot(result: dict, path: Path) -> None:
-    """Held-out bits per byte against seconds of training, one line per run."""
+def plot(result: dict, path: Path) -> tuple[float, float]:
+    """Held-out bits per byte against seconds of training, one line per run, written to ``path``; the y-axis
+    limits it chose."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,12 +285,15 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("seconds of training (compilation and validation included)")
     ax.set_ylabel(f"held-out bits per byte (first {result['val_batches']} validation batches)")
     ax.set_title(f"{result['minutes']:g} minutes each, {result['env']['device']}")
-    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    low, high = ax.get_ylim()
+    if low < 3.0 < high:  # the first validations of a long race: keep the axis on where the runs end
+        ax.set_ylim(top=3.0)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return ax.get_ylim()
 
 
 def table(result: dict, png: str) -> str:
@@ -486,7 +499,10 @@ def race(a: argparse.Namespace) -> dict:
         SystemExit: the recipes' data sections differ (their held-out bytes would too).
     """
     runs = entrants(a)
+    check_recipes([r for _, r, _ in runs], ROOT)
     positions_readings(a)  # a malformed reading stops the race before its first run
+    for _, r, _ in runs:  # so does a sequence length that does not divide a recipe's tokens a step
+        data_overrides(r, a.seq_len)
     datas = {json.dumps(yaml.safe_load((ROOT / r).read_text())["data"], sort_keys=True) for _, r, _ in runs}
     if len(datas) > 1:
         raise SystemExit("--recipes: their data sections differ, so their held-out bytes would too")
@@ -531,20 +547,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--positions_reading", action="append", default=[],
                    help="LABEL=ARGS: also `k3lit positions` with these arguments (quoted as one string; e.g. "
                         "'window=--attn_window 2048'); repeatable")
-    p.add_argument("--out", default="runs/race", help="folder of the runs")
-    p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
+    p.add_argument("--out", default="runs/race", help="folder of the runs (from the repository's root)")
     p.add_argument("--json", help="write the raw runs here")
     p.add_argument("--append", action="store_true", help="add to the runs --json holds, if any (same race)")
     p.add_argument("--png", help="the curve (default: the JSON's path with .png)")
     p.add_argument("--from_json", nargs="+", help="only write RESULTS.md's section and the PNG from these files, "
                    "the runs of one race (several: joined in this order and written to --json, if given)")
+    add_results_argument(p)
+    add_fit_args_argument(p)
     return p
 
 
 def main() -> None:
     a = parser().parse_args()
     if a.from_json:
-        result = functools.reduce(continued, (json.loads(Path(f).read_text()) for f in a.from_json))
+        result = functools.reduce(continued, (load_json(f, "runs") for f in a.from_json))
         result["json"] = a.json or a.from_json[0]
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=1))
@@ -552,8 +569,8 @@ def main() -> None:
         result = race(a)
     png = a.png or str(Path(a.json or (a.from_json or [ROOT / a.out / "race.json"])[0]).with_suffix(".png"))
     plot(result, Path(png))
-    write_section(title(result), table(result, png))
     print(table(result, png))
+    write_result(a.results, title(result), table(result, png))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+NO_RESULTS = "none"  # --results value: write no results file
 
 
 def versions() -> dict[str, str]:
@@ -89,23 +90,81 @@ def gpu_run_or_load(a: argparse.Namespace, measure: Callable[[argparse.Namespace
     return run_or_load(a, measure, title, table)
 
 
+def add_results_argument(p: argparse.ArgumentParser) -> None:
+    """``--results``: the results file a script writes its section to (:func:`write_result`)."""
+    p.add_argument("--results", default=None,
+                   help=f"the results file its section goes to (default benchmarks/RESULTS.md; {NO_RESULTS!r}: print "
+                        "the section only, e.g. for a trial run on a laptop)")
+
+
+def write_result(results: str | None, title: str, body: str) -> None:
+    """``write_section(title, body)`` into ``results`` (a ``--results`` value: None for RESULTS.md, ``"none"`` for
+    no file), saying where it went."""
+    if results == NO_RESULTS:
+        return
+    path = RESULTS if results is None else Path(results)
+    write_section(title, body, path)
+    print(f"(section '## {title}' written to {path})", flush=True)
+
+
+def add_fit_args_argument(p: argparse.ArgumentParser) -> None:
+    """``--fit_args``: more ``k3lit fit`` arguments, everything after it on the command line (they start with
+    ``--``, which a list option would read as options of its own)."""
+    p.add_argument("--fit_args", nargs=argparse.REMAINDER, default=[],
+                   help="more `k3lit fit` arguments for every run: the rest of the command line, so put it last "
+                        "(e.g. --fit_args --trainer.max_time=null --optim.lr=3e-3)")
+
+
+def load_json(path: str | Path, key: str) -> dict:
+    """The stored run of ``--from_json`` ``path``, which must hold ``key``.
+
+    Raises:
+        SystemExit: no such file, not JSON, or a JSON without ``key`` (another script's file), in one line.
+    """
+    name = f"benchmarks/{Path(sys.argv[0]).name}"
+    try:
+        result = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"--from_json {path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--from_json {path}: not JSON ({e})") from None
+    if not isinstance(result, dict) or key not in result:
+        raise SystemExit(f"--from_json {path}: not a stored run of {name} (it has no {key!r}); give the file its "
+                         "--json wrote") from None
+    return result
+
+
+def check_recipes(paths: list[str], root: Path | None = None) -> None:
+    """Fail in one line, before anything runs, when a recipe file does not exist (relative paths against ``root``
+    when given, else the current folder).
+
+    Raises:
+        SystemExit: a missing recipe, naming the recipes that do exist.
+    """
+    for recipe in paths:
+        if not ((root or Path()) / recipe).is_file():
+            shipped = ", ".join(sorted(p.name for p in (Path(__file__).parents[1] / "recipes").glob("*.yaml")))
+            raise SystemExit(f"no recipe {recipe}: give a YAML file (recipes/ has {shipped})")
+
+
 def add_output_arguments(p: argparse.ArgumentParser, raw: str) -> None:
     """``--json`` (write ``raw`` there), ``--results`` (the results file) and ``--from_json`` (only write the section
     from a stored run), the arguments :func:`run_or_load` reads."""
     p.add_argument("--json", help=f"write the {raw} here")
-    p.add_argument("--results", default=None, help="the results file (default benchmarks/RESULTS.md)")
+    add_results_argument(p)
     p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
 
 
 def run_or_load(a: argparse.Namespace, measure: Callable[[argparse.Namespace], dict], title: str,
                 table: Callable[[dict], str]) -> dict:
     """``measure(a)`` (written to ``a.json`` when given), or the stored result of ``a.from_json``; then the section
-    ``title + " (<device>)"`` of ``a.results`` (default RESULTS.md) as ``table(result)``, also printed (a run on a
-    machine whose files do not come back keeps it in its log). Returns the result."""
-    result = json.loads(Path(a.from_json).read_text()) if a.from_json else measure(a)
+    ``title + " (<device>)"`` of ``a.results`` (:func:`write_result`: default RESULTS.md, ``none`` no file) as
+    ``table(result)``, also printed (a run on a machine whose files do not come back keeps it in its log). Returns
+    the result."""
+    result = load_json(a.from_json, "env") if a.from_json else measure(a)
     if a.json and not a.from_json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     heading, text = f"{title} ({result['env']['device']})", table(result)
-    write_section(heading, text, RESULTS if a.results is None else a.results)
     print(f"## {heading}\n\n{text}", flush=True)
+    write_result(a.results, heading, text)
     return result

@@ -1,6 +1,6 @@
 """The screen: a recipe and variants of it trained for the same few hundred steps, compared per step and per second.
 
-    python benchmarks/screen.py --recipe recipes/small.yaml --steps 500 --json benchmarks/screen_h100.json \
+    python benchmarks/screen.py --recipe recipes/small.yaml --steps 500 --json benchmarks/screen_h100.json \\
         --variant "lr3e-3=--optim.lr=3e-3" --variant "e64=--model.n_experts=64"        # on the GPU
     python benchmarks/screen.py --from_json benchmarks/screen_h100.json                # RESULTS.md section only
 
@@ -16,7 +16,8 @@ MaxVio_global of the last validation. A screen ranks variants before a race (``b
 on each: bits per byte after N steps are not bits per byte at equal wall-clock, where a variant's step cost and a
 longer schedule weigh in.
 
-Writes the raw runs (``--json``, after every run) and RESULTS.md's section "Recipe variants (<GPU>, N steps)".
+Writes the raw runs (``--json``, after every run) and RESULTS.md's section "Recipe variants (<GPU>, N steps)"
+(``--results``: another file, or ``none``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.race import first_step_seconds, k3lit, read_csv  # noqa: E402
-from benchmarks.results import command, versions, write_section  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    add_results_argument,
+    check_recipes,
+    command,
+    load_json,
+    versions,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,6 +191,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/screen", help="folder of the runs")
     p.add_argument("--json", help="write the raw runs here")
     p.add_argument("--from_json", help="only write RESULTS.md's section from this file")
+    add_results_argument(p)
     return p
 
 
@@ -190,9 +199,11 @@ def main() -> None:
     a = parser().parse_args()
     if a.steps < 2 or a.steps % 2:
         raise SystemExit(f"--steps {a.steps}: an even number of at least 2 (validations at steps/2 and steps)")
-    result = json.loads(Path(a.from_json).read_text()) if a.from_json else screen(a)
-    write_section(title(result), table(result))
+    if not a.from_json:
+        check_recipes([a.recipe], ROOT)
+    result = load_json(a.from_json, "runs") if a.from_json else screen(a)
     print(table(result))
+    write_result(a.results, title(result), table(result))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ compilation, and on the caches a first run left.
     python benchmarks/startup.py --json benchmarks/startup_h200.json          # on the GPU: small and small_plain
     python benchmarks/startup.py --from_json benchmarks/startup_h200.json     # RESULTS.md section only
     python benchmarks/startup.py --recipes recipes/small.yaml --modes cold,warm   # some of the modes
+    python benchmarks/startup.py --recipes recipes/tiny.yaml --modes cold-no-precompile --fit_args --optim.name=adamw
 
 Per recipe, fresh ``k3lit fit --trainer.max_steps=N`` processes of the recipe as shipped (no validation), in this
 order: ``cold, no precompile`` (empty Triton and inductor cache folders, ``TRITON_CACHE_DIR`` and
@@ -29,10 +30,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.race import first_step_seconds, k3lit  # noqa: E402
-from benchmarks.results import add_output_arguments, command, run_or_load, versions  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    add_fit_args_argument,
+    add_output_arguments,
+    check_recipes,
+    command,
+    run_or_load,
+    versions,
+)
 
 OFF = ["--trainer.callbacks+=k3lit.train.kernel_precompile.KernelPrecompile", "--trainer.callbacks.workers=0"]
 MODES = ("cold, no precompile", "cold", "warm")
+NAMES = {mode.replace(", ", "-").replace(" ", "-"): mode for mode in MODES}  # --modes spelling: cold-no-precompile
 
 
 def run(recipe: str, mode: str, caches: Path, a: argparse.Namespace, out: Path) -> dict:
@@ -97,7 +106,7 @@ def table(result: dict) -> str:
         if r.get("setup_parts_s"):
             setup += " (" + "; ".join(f"{name} {x:.1f}" for name, x in r["setup_parts_s"].items()) + ")"
         after = "-" if r.get("setup_s") is None or r.get("training_s") is None else \
-            f"{r['process_s'] - r['setup_s'] - r['training_s']:.0f}"
+            f"{max(0.0, r['process_s'] - r['setup_s'] - r['training_s']):.0f}"  # training_s is whole seconds
         lines.append(f"| `{Path(r['recipe']).stem}` | {r['mode']} | {setup} | {r['first_step_s']:.1f} | {after} | "
                      f"{r['process_s']:.1f} |")
     done = {(r["recipe"], r["mode"]) for r in result["rows"]}
@@ -107,15 +116,17 @@ def table(result: dict) -> str:
 
 
 def modes(text: str) -> list[str]:
-    """``--modes``: comma-separated names of :data:`MODES`, run in that table's order.
+    """``--modes``: comma-separated names of :data:`NAMES` (``cold-no-precompile``, ``cold``, ``warm``), run in the
+    order of :data:`MODES`.
 
     Raises:
         argparse.ArgumentTypeError: an unknown mode, or ``warm`` without the ``cold`` run that fills its caches.
     """
-    chosen = [m.strip() for m in text.split(",")]
-    unknown = [m for m in chosen if m not in MODES]
+    words = [m.strip() for m in text.split(",")]
+    unknown = [m for m in words if m not in NAMES]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(NAMES)}")
+    chosen = [NAMES[m] for m in words]
     if "warm" in chosen and "cold" not in chosen:
         raise argparse.ArgumentTypeError("warm reads the caches the cold run fills: add cold")
     return [m for m in MODES if m in chosen]
@@ -126,14 +137,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", nargs="+", default=["recipes/small.yaml", "recipes/small_plain.yaml"])
     p.add_argument("--steps", type=int, default=5, help="optimizer steps of each run")
     p.add_argument("--out", default="runs/startup", help="folder of the runs and their logs")
-    p.add_argument("--fit_args", nargs="*", default=[], help="more `k3lit fit` arguments for every run")
-    p.add_argument("--modes", type=modes, default=list(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--modes", type=modes, default=list(MODES), help=f"comma-separated, of: {', '.join(NAMES)}")
     add_output_arguments(p, "raw rows")
+    add_fit_args_argument(p)
     return p
 
 
 def main() -> None:
-    run_or_load(parser().parse_args(), startup, "Start-up", table)
+    a = parser().parse_args()
+    if not a.from_json:
+        check_recipes(a.recipes)
+    run_or_load(a, startup, "Start-up", table)
 
 
 if __name__ == "__main__":

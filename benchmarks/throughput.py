@@ -1,7 +1,8 @@
 """Training throughput of a recipe's model beside its ablations, a plain transformer and litgpt, in one process.
 
-    python benchmarks/throughput.py --recipe recipes/small.yaml --rows recipe,plain,litgpt,dense,attention,\
-        plain_residual,no_balancer --extra_recipe recipes/medium_1gpu.yaml --compile none,sublayers,model \
+    python benchmarks/throughput.py --recipe recipes/small.yaml \\
+        --rows recipe,plain,litgpt,dense,attention,plain_residual,no_balancer \\
+        --extra_recipe recipes/medium_1gpu.yaml --compile none,sublayers,model \\
         --json benchmarks/throughput_h200.json                                      # on the GPU
     python benchmarks/throughput.py --from_json benchmarks/throughput_h200.json    # write RESULTS.md "Throughput"
 
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -35,7 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import versions, write_section  # noqa: E402
+from benchmarks.results import load_json, versions, write_section  # noqa: E402
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
 from k3lit.nn.moe import update_balancers  # noqa: E402
 from k3lit.train.flops import active_matmul_params, peak_flops, training_flops  # noqa: E402
@@ -103,6 +106,36 @@ def rows(c: ModelConfig, stem: str, names: list[str], plain: ModelConfig | None 
 
 
 COMPILE = ("none", "sublayers", "sublayer_graphs", "model", "cudagraphs")
+GRAPHS = ("sublayer_graphs", "cudagraphs")  # the compile settings that replay CUDA graphs
+
+
+def check_run(device: str, compiles: list[str], warmup: int, steps: int, kda_backend: str | None = None,
+              rows: list[str] = ()) -> None:
+    """Refuse, in one line and before any model is built, what :func:`bench` cannot time here.
+
+    Raises:
+        SystemExit: an unknown compile setting; fewer than 2 warm-up steps (the loss check compares the first and the
+            last) or no timed step; ``--device cuda``, CUDA graphs or Triton KDA without a CUDA device; a ``litgpt``
+            row without litgpt installed.
+    """
+    unknown = sorted(set(compiles) - set(COMPILE))
+    if unknown:
+        raise SystemExit(f"--compile: unknown {unknown}; choose from {COMPILE}")
+    if warmup < 2 or steps < 1:
+        raise SystemExit(f"--warmup {warmup} --steps {steps}: at least 2 warm-up steps (the loss on the fixed batch "
+                         "must fall from the first to the last) and 1 timed step")
+    cuda = torch.cuda.is_available()
+    if device.startswith("cuda") and not cuda:
+        raise SystemExit(f"--device {device}: this machine has no CUDA device; use --device cpu")
+    graphs = sorted(set(compiles) & set(GRAPHS))
+    if graphs and not device.startswith("cuda"):
+        raise SystemExit(f"--compile {','.join(graphs)} replays CUDA graphs: it needs --device cuda on a GPU")
+    if kda_backend == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--kda_backend triton needs a CUDA device (or TRITON_INTERPRET=1, slow); on a CPU use "
+                         "--kda_backend auto or torch")
+    if "litgpt" in rows and importlib.util.find_spec("litgpt") is None:
+        raise SystemExit("--rows litgpt times litgpt's GPT, which is not installed: `pip install litgpt`, or leave "
+                         "the row out")
 
 
 def variant(c: ModelConfig, spec: str) -> tuple[str, ModelConfig]:
@@ -407,8 +440,9 @@ def main() -> None:
                    "setting, --optim), logs in this folder")
     a = p.parse_args()
     if a.from_json:
-        write_section("Throughput", table(json.loads(Path(a.from_json).read_text())))
+        write_section("Throughput", table(load_json(a.from_json, "rows")))
         return
+    check_run(a.device, a.compile.split(","), a.warmup, a.steps, a.kda_backend, a.rows.split(","))
     cfg, data = recipe_config(Path(a.recipe), a.vocab)
     if a.kda_backend:
         cfg = dataclasses.replace(cfg, kda_backend=a.kda_backend)
@@ -427,9 +461,6 @@ def main() -> None:
         jobs.append((f"k3lit `{Path(extra).stem}` ({c.layer_pattern}, MoE {c.n_experts}x top-{c.top_k}, {c.residual}; "
                      f"batch {d['batch_size']} x {d['seq_len']})", c, int(d["batch_size"]), int(d["seq_len"])))
     result["compile"] = a.compile.split(",")
-    unknown = set(result["compile"]) - set(COMPILE)
-    if unknown:
-        raise SystemExit(f"--compile: unknown {sorted(unknown)}; choose from {COMPILE}")
     for compile_ in result["compile"]:
         for name, c, b, t in jobs:
             try:

@@ -246,14 +246,14 @@ def test_from_json_joins_the_runs_of_several_calls(tmp_path, monkeypatch):
         (tmp_path / f"{name}.json").write_text(json.dumps(stored))
         return tmp_path / f"{name}.json"
 
-    sections = {}
-    monkeypatch.setattr("benchmarks.race.write_section", lambda title, body: sections.update({title: body}))
     a, b = call("k3", 1, None, "2026-01-01"), call("plain", 1, 1.0, "2026-01-02")
-    monkeypatch.setattr(sys, "argv", ["race.py", "--from_json", str(a), str(b), "--json", str(tmp_path / "j.json")])
+    results = tmp_path / "R.md"
+    monkeypatch.setattr(sys, "argv", ["race.py", "--from_json", str(a), str(b), "--json", str(tmp_path / "j.json"),
+                                      "--results", str(results)])
     main()
     joined = json.loads((tmp_path / "j.json").read_text())
     assert [r["label"] for r in joined["runs"]] == ["k3", "plain"] and joined["command"] == "race plain"
-    (title_, body), = sections.items()
+    (title_, body), = re.findall(r"^## (.+?)\n\n(.*)", results.read_text(), re.S | re.M)
     assert title_ == "Race at equal wall-clock, 8-token sequences (H200)"
     assert "| `plain` | 2026-01-02 | 1 | 10 |" in body
     assert "| `k3` | 2026-01-01 | 1 | 10 | 0.5 | 100 | 1.5000 | - |" in body
@@ -290,3 +290,26 @@ def test_a_malformed_positions_reading_stops_the_race_before_it_starts():
                              "--positions_reading", "w=--attn_logn_base 8"])
     with pytest.raises(SystemExit, match="each label once"):
         race(a)
+
+
+def test_a_missing_recipe_or_a_bad_seq_len_stops_the_race_before_the_corpus_is_prepared(monkeypatch):
+    import benchmarks.race as race_module
+
+    monkeypatch.setattr(race_module, "k3lit", lambda *a, **k: pytest.fail("the race started"))
+    with pytest.raises(SystemExit, match=r"^no recipe recipes/nope\.yaml"):
+        race(parser().parse_args(["--recipes", "recipes/nope.yaml"]))
+    with pytest.raises(SystemExit, match=r"--seq_len 1000: recipes/tiny\.yaml reads"):
+        race(parser().parse_args(["--recipes", "recipes/tiny.yaml", "--seq_len", "1000"]))
+
+
+@pytest.mark.parametrize("values, top", [([3.94, 3.93], None), ([9.0, 2.1, 0.8], 3.0)])
+def test_the_curve_caps_its_axis_only_over_runs_that_reach_below_it(tmp_path, values, top):
+    """A short race whose curve stays above 3 bits per byte keeps its own axis (capping at 3 flipped it); a long
+    one's first validations are cut at 3, so the axis shows where the runs end."""
+    run = {"recipe": "recipes/a.yaml", "label": "a", "seed": 1, "curve": [[10.0 * i, i, v] for i, v in
+                                                                           enumerate(values)]}
+    env = {"date": "d", "device": "cpu", "torch": "t", "triton": "-"}
+    low, high = plot({"runs": [run], "seeds": [1], "val_batches": 2, "minutes": 1.0, "env": env},
+                     tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 0 and low < min(values)
+    assert high == top if top is not None else high > max(values)

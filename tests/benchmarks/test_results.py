@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import balance, kda_accuracy, kda_first_call, moe
-from benchmarks.results import command, write_section
+from benchmarks.results import add_fit_args_argument, check_recipes, command, load_json, write_result, write_section
 
 ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -47,6 +47,44 @@ def test_write_section_keeps_the_hand_written_subsections(tmp_path):
 def test_write_section_refuses_a_body_with_a_subsection(tmp_path):
     with pytest.raises(ValueError, match="### heading"):
         write_section("A", "table\n\n### by a script", tmp_path / "RESULTS.md")
+
+
+def test_write_result_writes_the_file_it_is_given_or_none(tmp_path, capsys):
+    path = tmp_path / "R.md"
+    write_result(str(path), "A (cpu)", "table")
+    assert sections(path.read_text()) == {"A (cpu)": "table"} and f"written to {path}" in capsys.readouterr().out
+    write_result("none", "B (cpu)", "other")
+    assert sections(path.read_text()) == {"A (cpu)": "table"} and "written" not in capsys.readouterr().out
+
+
+def test_a_bad_from_json_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^--from_json .*nope\.json: no such file$"):
+        load_json(tmp_path / "nope.json", "runs")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit, match=r"^--from_json .*bad\.json: not JSON"):
+        load_json(tmp_path / "bad.json", "runs")
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match=r"^--from_json .*other\.json: not a stored run of benchmarks/.* \(it has no "
+                                         r"'runs'\); give the file its --json wrote$"):
+        load_json(tmp_path / "other.json", "runs")
+    assert load_json(tmp_path / "other.json", "rows") == {"rows": []}
+
+
+def test_fit_args_take_the_rest_of_the_command_line():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--seeds", nargs="+", type=int)
+    add_fit_args_argument(p)
+    a = p.parse_args(["--seeds", "1", "--fit_args", "--trainer.max_time=null", "--optim.lr", "3e-3"])
+    assert a.seeds == [1] and a.fit_args == ["--trainer.max_time=null", "--optim.lr", "3e-3"]
+    assert p.parse_args([]).fit_args == []
+
+
+def test_a_missing_recipe_is_named_with_the_shipped_ones(tmp_path):
+    check_recipes(["recipes/tiny.yaml"], ROOT)
+    with pytest.raises(SystemExit, match=r"^no recipe recipes/nope\.yaml: give a YAML file \(recipes/ has .*tiny"):
+        check_recipes(["recipes/tiny.yaml", "recipes/nope.yaml"], ROOT)
 
 
 def test_command_names_the_script_from_the_repository_root():

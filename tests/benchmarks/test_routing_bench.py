@@ -32,6 +32,6 @@ def test_every_routing_is_timed_and_counted(tmp_path, capsys):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## Routing with a capacity limit (CPU" in text and "| forward capacity 1.1 |" in text
     printed = capsys.readouterr().out  # the section in the log too: a device's files may not come back
-    section = printed[printed.index("## Routing with a capacity limit (CPU"):].strip()
-    assert section in text
+    section = printed[printed.index("## Routing with a capacity limit (CPU"):printed.index("(section '## ")].strip()
+    assert section in text and f"written to {tmp_path / 'RESULTS.md'})" in printed
     assert "m = 256 tokens of sequences of 64, n = 8 experts, top-2" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -111,11 +112,10 @@ def test_from_json_writes_the_section_against_the_recipe_row(tmp_path, monkeypat
               "runs": [{**run("recipe", [], 1.25, 200.0, [0.5, 0.25]), "val_max_vio": [0.5, 0.75],
                         "rerouted": [0.0, 0.125]}, run("fast", ["--x=1"], 1.5, 300.0, [])]}
     (tmp_path / "s.json").write_text(json.dumps(stored))
-    sections = {}
-    monkeypatch.setattr("benchmarks.screen.write_section", lambda t, body: sections.update({t: body}))
-    monkeypatch.setattr(sys, "argv", ["screen.py", "--from_json", str(tmp_path / "s.json")])
+    results = tmp_path / "R.md"
+    monkeypatch.setattr(sys, "argv", ["screen.py", "--from_json", str(tmp_path / "s.json"), "--results", str(results)])
     main()
-    (name, body), = sections.items()
+    (name, body), = re.findall(r"^## (.+?)\n\n(.*)", results.read_text(), re.S | re.M)
     assert name == "Recipe variants (H200, 10 steps)"
     assert ("| `recipe` | (as shipped) | 2.0000 | **1.2500** | - | 200 | 12.5% | 1.50 | 0.500 / 0.375 | 0.500 | 0.750 "
             "| 0.0625 |") in body

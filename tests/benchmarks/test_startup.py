@@ -47,6 +47,9 @@ def test_three_modes_of_one_recipe(tmp_path):
 
 def test_modes_are_checked_and_kept_in_table_order():
     assert parser().parse_args(["--modes", "warm, cold"]).modes == ["cold", "warm"]
+    assert parser().parse_args(["--modes", "cold-no-precompile"]).modes == ["cold, no precompile"]
+    fit = parser().parse_args(["--recipes", "r.yaml", "--fit_args", "--optim.lr=1e-3", "--data.seq_len", "64"])
+    assert fit.recipes == ["r.yaml"] and fit.fit_args == ["--optim.lr=1e-3", "--data.seq_len", "64"]
     assert parser().parse_args([]).modes == list(MODES)
     for bad, message in (("hot", "unknown mode"), ("warm", "add cold")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):

@@ -55,6 +55,32 @@ def test_unknown_compile_settings_are_refused_before_any_row(monkeypatch):
         throughput.main()
 
 
+@pytest.mark.parametrize("args, message", [
+    (dict(warmup=1), r"--warmup 1 --steps 3: at least 2 warm-up steps"),
+    (dict(steps=0), r"--warmup 2 --steps 0: .* and 1 timed step"),
+    (dict(compiles=["none", "cudagraphs"]), r"--compile cudagraphs replays CUDA graphs: it needs --device cuda"),
+    (dict(kda_backend="triton"), r"--kda_backend triton needs a CUDA device"),
+    (dict(rows=["recipe", "litgpt"]), r"--rows litgpt times litgpt's GPT, which is not installed"),
+])
+def test_what_cannot_be_timed_here_is_refused_up_front(monkeypatch, args, message):
+    from benchmarks import throughput
+
+    monkeypatch.setattr(throughput.importlib.util, "find_spec", lambda name: None)  # as where litgpt is missing
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kwargs = dict(device="cpu", compiles=["none"], warmup=2, steps=3) | args
+    with pytest.raises(SystemExit, match=message):
+        throughput.check_run(**kwargs)
+    throughput.check_run("cpu", ["none", "sublayers"], 2, 1, "torch", ["recipe", "plain"])  # all of it runs here
+
+
+def test_a_cuda_device_is_refused_without_one(monkeypatch):
+    from benchmarks import throughput
+
+    monkeypatch.setattr(throughput.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: this machine has no CUDA device; use --device cpu"):
+        throughput.check_run("cuda", ["none"], 2, 1)
+
+
 def test_host_time_is_the_median_of_single_steps_each_on_its_own_batch():
     """Each sample times one call (a step that sleeps 20 ms takes at least that: a bound no load can break), on
     the batches in turn."""
