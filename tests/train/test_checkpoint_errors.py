@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from k3lit.cli import main
-from k3lit.train.checkpoint import check_checkpoint
+from k3lit.train.checkpoint import CheckpointError, check_checkpoint
 from tests.parallel._dist import one_process_env
 from tests.test_cli import SMALL, fit_args
 
@@ -116,3 +116,10 @@ def test_a_sharded_checkpoint_under_one_device_strategy_names_the_strategy_that_
     assert e.value.code == 2 and "Traceback" not in err, err
     assert (f"--ckpt_path {written['sharded']} is a sharded checkpoint (torch distributed checkpoint shards), which "
             "loads under ModelParallelStrategy on any number of processes; on one: " + " ".join(SHARDED[2:])) in err
+
+
+def test_a_run_folder_given_for_a_checkpoint_names_the_file_to_pass(written):
+    folder = written["file"].parent
+    with pytest.raises(CheckpointError, match=rf"a folder without \.metadata .*; pass one of its checkpoint files, "
+                                              rf"e\.g\. {folder / 'last.ckpt'}$"):
+        check_checkpoint(folder)
