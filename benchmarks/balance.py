@@ -45,7 +45,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import command, write_section  # noqa: E402
+from benchmarks.results import command, load_json, write_section  # noqa: E402
 from k3lit.ops.routing import (  # noqa: E402
     expert_load,
     max_violation,
@@ -386,12 +386,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", choices=("train", "router", "compare"), default=None)
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234], help="seeds of the compare runs")
-    ap.add_argument("--from-json", help="write the section from the record of an earlier run (no training)")
+    ap.add_argument("--from-json", "--from_json",
+                    help="write the section from the record of an earlier run (no training)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     a = ap.parse_args(argv)
     if a.from_json:
-        with open(a.from_json) as fh:
-            run = json.load(fh)
+        run = load_json(a.from_json, ())
         title, body = (COMPARE_TITLE, compare_section(run)) if "compare" in run else (TITLE, section(run))
         write_section(title, body, a.results)
         print(body)

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.kda import TOL, errors, inputs, load_fla, make_fla, ours, reference  # noqa: E402
-from benchmarks.results import command, environment, versions, write_section  # noqa: E402
+from benchmarks.results import command, environment, load_json, versions, write_section  # noqa: E402
 
 TITLE = "KDA accuracy over draws"
 
@@ -74,12 +74,12 @@ def main() -> None:
     ap.add_argument("--shape", default="2x1024x16x128", metavar="BxTxHxD")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--json", help="also write every draw's errors here")
-    ap.add_argument("--from-json", help="write the section from the records of an earlier run (no measuring)")
+    ap.add_argument("--from-json", "--from_json",
+                    help="write the section from the records of an earlier run (no measuring)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     args = ap.parse_args()
     if args.from_json:
-        with open(args.from_json) as f:
-            body = section(json.load(f))
+        body = section(load_json(args.from_json, ()))
         write_section(TITLE, body, args.results)
         print(body)
         return

@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import command, environment, versions, write_section  # noqa: E402
+from benchmarks.results import command, environment, load_json, versions, write_section  # noqa: E402
 
 #: (label, B, T, H, D) on the GPU; each shape is new to the process when it runs.
 STEPS = [("cold", 2, 4096, 16, 128), ("new T", 2, 4100, 16, 128), ("new B", 3, 4096, 16, 128),
@@ -149,15 +149,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240, help="seconds for each k3lit process")
     ap.add_argument("--fla-timeout", type=float, default=420, help="seconds for each fla process")
     ap.add_argument("--json", help="also write the raw records here")
-    ap.add_argument("--from-json", help="write the section from the records of an earlier run (no timing)")
+    ap.add_argument("--from-json", "--from_json",
+                    help="write the section from the records of an earlier run (no timing)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     args = ap.parse_args()
     if args.child:
         child(args.child, args.device)
         return
     if args.from_json:
-        with open(args.from_json) as f:
-            stored = json.load(f)
+        stored = load_json(args.from_json, ("versions", "results", "steps"))
         body = section(stored["versions"], stored["results"], stored["steps"])
         write_section("KDA first call", body, args.results)
         print(body)

@@ -24,7 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.results import add_results_argument, command, load_json, versions, write_result  # noqa: E402
+from benchmarks.results import (  # noqa: E402
+    add_results_argument,
+    check_outputs,
+    command,
+    load_json,
+    versions,
+    write_result,
+)
 from benchmarks.throughput import bench, check_run, recipe_config  # noqa: E402
 from k3lit.model import ModelConfig  # noqa: E402
 
@@ -120,8 +127,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict | None:
     a = parser().parse_args(argv)
+    check_outputs(a)
     if a.from_json:
-        write_result(a.results, SECTION, table(load_json(a.from_json, "models")))
+        write_result(a.results, SECTION, table(load_json(a.from_json, ("models", "seqs", "tokens"))))
         return None
     check_run(a.device, [a.compile], a.warmup, a.steps)
     seqs = [int(s) for s in a.seqs.split(",")]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import command, write_section  # noqa: E402
+from benchmarks.results import command, load_json, write_section  # noqa: E402
 from k3lit.nn.moe import MoE  # noqa: E402
 from k3lit.ops.grouped_mm import grouped_mm  # noqa: E402
 
@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--expert-dim", type=int, default=1024)
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--layer-only", action="store_true", help="skip the experts-alone comparison")
-    ap.add_argument("--from-json", help="write the section from the record of an earlier run (no timing)")
+    ap.add_argument("--from-json", "--from_json",
+                    help="write the section from the record of an earlier run (no timing)")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     a = ap.parse_args(argv)
     if a.from_json:
-        with open(a.from_json) as fh:
-            body = section(json.load(fh))
+        body = section(load_json(a.from_json, ()))
         write_section(TITLE, body, a.results)
         print(body)
         return

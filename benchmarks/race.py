@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results import (  # noqa: E402
     add_fit_args_argument,
     add_results_argument,
+    check_outputs,
     check_recipes,
     command,
     load_json,
@@ -64,6 +65,7 @@ from benchmarks.results import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("runs", "same_bytes", "minutes", "val_batches")  # what a stored race holds (--from_json)
 
 
 def k3lit(*args: str, log: Path, env: dict[str, str] | None = None) -> None:
@@ -171,7 +173,8 @@ def run(entrant: tuple[str, str, list[str]], seed: int, a: argparse.Namespace, o
     fit_rows = read_csv(folder / "metrics.csv")
     steps = max(int(r["step"]) for r in fit_rows) + 1
     tps = [float(r["train/device/items_per_sec"]) for r in fit_rows if r.get("train/device/items_per_sec")]
-    record = {"recipe": recipe, "label": name, "fit_args": extra, "seed": seed, "steps": steps, "process_s": wall,
+    record = {"recipe": recipe, "label": name, "fit_args": [*a.fit_args, *extra], "seed": seed, "steps": steps,
+              "process_s": wall,
               "curve": curve(fit_rows), "expert_load": None, "final_val_loss": None,
               "median_tokens_per_s": statistics.median(tps) if tps else None,
               "first_step_s": first_step_seconds(folder.with_suffix(".fit.log").read_text()), "positions": None}
@@ -285,8 +288,8 @@ def plot(result: dict, path: Path) -> tuple[float, float]:
     ax.set_xlabel("seconds of training (compilation and validation included)")
     ax.set_ylabel(f"held-out bits per byte (first {result['val_batches']} validation batches)")
     ax.set_title(f"{result['minutes']:g} minutes each, {result['env']['device']}")
-    low, high = ax.get_ylim()
-    if low < 3.0 < high:  # the first validations of a long race: keep the axis on where the runs end
+    values = [v for r in result["runs"] for _, _, v in r["curve"]]
+    if values and min(values) < 3.0 < max(values):  # a long race's first validations: keep the axis on its end
         ax.set_ylim(top=3.0)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -305,7 +308,7 @@ def table(result: dict, png: str) -> str:
         + (f" at {result['seq_len']:,}-token sequences (its batch scaled to the same tokens per step)"
            if result.get("seq_len") else "") + " with "
         f"`trainer.max_time` {result['minutes']:g} minutes and no step limit (its cosine ends with the time), one "
-        "after the other on one GPU; the budget counts from the start of training, compilation and validation "
+        "after the other on one device; the budget counts from the start of training, compilation and validation "
         "included. Final held-out pass (`k3lit validate`, last weights): the split's first "
         f"{ref['blocks']} blocks of {ref['seq_len'] + 1} tokens, {ref['bytes']:,} bytes, the same bytes for every "
         f"run: gzip -9 {ref['gzip -9']:.3f}, xz -9e {ref['xz -9e']:.3f} bits per byte. Last periodic validation: "
@@ -560,8 +563,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     a = parser().parse_args()
+    check_outputs(a)
     if a.from_json:
-        result = functools.reduce(continued, (load_json(f, "runs") for f in a.from_json))
+        result = functools.reduce(continued, (load_json(f, KEYS) for f in a.from_json))
         result["json"] = a.json or a.from_json[0]
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=1))

@@ -115,11 +115,11 @@ def add_fit_args_argument(p: argparse.ArgumentParser) -> None:
                         "(e.g. --fit_args --trainer.max_time=null --optim.lr=3e-3)")
 
 
-def load_json(path: str | Path, key: str) -> dict:
-    """The stored run of ``--from_json`` ``path``, which must hold ``key``.
+def load_json(path: str | Path, keys: tuple[str, ...]) -> dict:
+    """The stored run of ``--from_json`` ``path``, which must hold every one of ``keys``.
 
     Raises:
-        SystemExit: no such file, not JSON, or a JSON without ``key`` (another script's file), in one line.
+        SystemExit: no such file, not JSON, or a JSON without one of ``keys`` (another script's file), in one line.
     """
     name = f"benchmarks/{Path(sys.argv[0]).name}"
     try:
@@ -128,10 +128,24 @@ def load_json(path: str | Path, key: str) -> dict:
         raise SystemExit(f"--from_json {path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"--from_json {path}: not JSON ({e})") from None
-    if not isinstance(result, dict) or key not in result:
-        raise SystemExit(f"--from_json {path}: not a stored run of {name} (it has no {key!r}); give the file its "
-                         "--json wrote") from None
+    missing = [k for k in keys if k not in result] if isinstance(result, dict) else list(keys)
+    if missing:
+        raise SystemExit(f"--from_json {path}: not a stored run of {name} (it has no {missing[0]!r}); give the file "
+                         "its --json wrote") from None
     return result
+
+
+def check_outputs(a: argparse.Namespace) -> None:
+    """Fail in one line, before anything is measured, when an output file of ``a`` (``--json``, ``--png``,
+    ``--results``) would go to a folder that does not exist.
+
+    Raises:
+        SystemExit: naming the option and the missing folder.
+    """
+    for option in ("json", "png", "results"):
+        value = getattr(a, option, None)
+        if value and value != NO_RESULTS and not Path(value).resolve().parent.is_dir():
+            raise SystemExit(f"--{option} {value}: no folder {Path(value).resolve().parent} to write it to")
 
 
 def check_recipes(paths: list[str], root: Path | None = None) -> None:
@@ -156,12 +170,14 @@ def add_output_arguments(p: argparse.ArgumentParser, raw: str) -> None:
 
 
 def run_or_load(a: argparse.Namespace, measure: Callable[[argparse.Namespace], dict], title: str,
-                table: Callable[[dict], str]) -> dict:
+                table: Callable[[dict], str], keys: tuple[str, ...] = ("env",)) -> dict:
     """``measure(a)`` (written to ``a.json`` when given), or the stored result of ``a.from_json``; then the section
     ``title + " (<device>)"`` of ``a.results`` (:func:`write_result`: default RESULTS.md, ``none`` no file) as
-    ``table(result)``, also printed (a run on a machine whose files do not come back keeps it in its log). Returns
-    the result."""
-    result = load_json(a.from_json, "env") if a.from_json else measure(a)
+    ``table(result)``, also printed (a run on a machine whose files do not come back keeps it in its log). A stored
+    run must hold ``keys`` (:func:`load_json`); the output folders are checked first (:func:`check_outputs`).
+    Returns the result."""
+    check_outputs(a)
+    result = load_json(a.from_json, keys) if a.from_json else measure(a)
     if a.json and not a.from_json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     heading, text = f"{title} ({result['env']['device']})", table(result)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.race import first_step_seconds, k3lit, read_csv  # noqa: E402
 from benchmarks.results import (  # noqa: E402
     add_results_argument,
+    check_outputs,
     check_recipes,
     command,
     load_json,
@@ -151,7 +152,7 @@ def table(result: dict) -> str:
         f"Written by `benchmarks/screen.py`. {env['date']} · {env['device']} · torch {env['torch']}, triton "
         f"{env['triton']} · {result['command']}. Each run a fresh `k3lit fit --config {result['recipe']} "
         f"--trainer.max_steps={steps} --trainer.max_time=null` with the row's arguments (warm-up, then the cosine "
-        f"over the {steps} steps), one after the other on one GPU; `val/bpb` on the split's first "
+        f"over the {steps} steps), one after the other on one device; `val/bpb` on the split's first "
         f"{result['val_batches']} batches, the same bytes for every run. tokens/s and MFU: medians of the logged "
         f"windows from step {result['steady']} on (the ratio against the recipe's); grad norm: the mean of "
         f"`train/grad_norm`; MaxVio: train MaxVio_batch over the logged steps of the second half, the largest MoE "
@@ -199,9 +200,10 @@ def main() -> None:
     a = parser().parse_args()
     if a.steps < 2 or a.steps % 2:
         raise SystemExit(f"--steps {a.steps}: an even number of at least 2 (validations at steps/2 and steps)")
+    check_outputs(a)
     if not a.from_json:
         check_recipes([a.recipe], ROOT)
-    result = load_json(a.from_json, "runs") if a.from_json else screen(a)
+    result = load_json(a.from_json, ("runs", "steps", "steady", "recipe")) if a.from_json else screen(a)
     print(table(result))
     write_result(a.results, title(result), table(result))
 

@@ -147,7 +147,7 @@ def main() -> None:
     a = parser().parse_args()
     if not a.from_json:
         check_recipes(a.recipes)
-    run_or_load(a, startup, "Start-up", table)
+    run_or_load(a, startup, "Start-up", table, keys=("rows", "steps"))
 
 
 if __name__ == "__main__":

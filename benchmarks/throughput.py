@@ -38,7 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import load_json, versions, write_section  # noqa: E402
+from benchmarks.results import add_results_argument, check_outputs, load_json, versions, write_result  # noqa: E402
 from k3lit.model import K3LM, ModelConfig  # noqa: E402
 from k3lit.nn.moe import update_balancers  # noqa: E402
 from k3lit.train.flops import active_matmul_params, peak_flops, training_flops  # noqa: E402
@@ -438,9 +438,11 @@ def main() -> None:
     p.add_argument("--note", default="", help="a sentence to print under the table")
     p.add_argument("--lightning", help="also train the recipe model through lightning.Trainer (the first --compile "
                    "setting, --optim), logs in this folder")
+    add_results_argument(p)
     a = p.parse_args()
+    check_outputs(a)
     if a.from_json:
-        write_section("Throughput", table(load_json(a.from_json, "rows")))
+        write_result(a.results, "Throughput", table(load_json(a.from_json, ("rows", "batch", "seq"))))
         return
     check_run(a.device, a.compile.split(","), a.warmup, a.steps, a.kda_backend, a.rows.split(","))
     cfg, data = recipe_config(Path(a.recipe), a.vocab)

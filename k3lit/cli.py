@@ -480,6 +480,8 @@ def generate_main(argv: list[str]) -> None:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k)  # before the (possibly long) checkpoint load
     if args.prompt is not None and args.prompt_file is not None:
         raise ValueError("give --prompt or --prompt_file, not both")
+    if args.prompt_file is not None and not Path(args.prompt_file).is_file():
+        raise FileNotFoundError(f"--prompt_file {args.prompt_file}: no such file")
     ckpt = load_model_checkpoint(args.ckpt)
     model = _checkpoint_model(ckpt, **_reach(args)).to(args.device)
     if K3DataModule.__qualname__ in ckpt:  # the tokenizer travels inside the checkpoint

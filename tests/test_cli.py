@@ -490,6 +490,9 @@ def test_generate_refuses_a_prompt_and_a_prompt_file_together(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--ckpt", str(tmp_path / "not_read.ckpt"), "--prompt", "x", "--prompt_file", "f.txt"])
     assert e.value.code == 2 and "give --prompt or --prompt_file, not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--ckpt", str(tmp_path / "not_read.ckpt"), "--prompt_file", str(tmp_path / "nope.txt")])
+    assert e.value.code == 2 and f"--prompt_file {tmp_path / 'nope.txt'}: no such file" in capsys.readouterr().err
 
 
 def test_resume_from_an_empty_folder_starts_from_scratch_and_says_where_it_looked(tmp_path, cache, monkeypatch,

@@ -76,9 +76,10 @@ def _check_sharded(p: Path) -> None:
     """Raise CheckpointError unless folder ``p`` is a whole sharded checkpoint (see :func:`check_checkpoint`)."""
     for name in (".metadata", META):
         if not (p / name).is_file():
-            files = sorted(f.name for f in p.glob("*.ckpt"))
-            fix = (f"pass one of its checkpoint files, e.g. {p / ('last.ckpt' if 'last.ckpt' in files else files[0])}"
-                   if files else "pass a checkpoint written by k3lit fit")
+            files = sorted(p.glob("*.ckpt")) or sorted(p.glob("checkpoints/*.ckpt"))  # a checkpoints or run folder
+            last = [f for f in files if f.name == "last.ckpt"]
+            fix = (f"pass one of its checkpoint files, e.g. {(last or files)[0]}" if files
+                   else "pass a checkpoint written by k3lit fit")
             raise CheckpointError(p, f"a folder without {name} (no sharded checkpoint, or an incomplete one)", fix)
     try:
         records = dcp.FileSystemReader(p).read_metadata().storage_data

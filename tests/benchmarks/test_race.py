@@ -302,10 +302,10 @@ def test_a_missing_recipe_or_a_bad_seq_len_stops_the_race_before_the_corpus_is_p
         race(parser().parse_args(["--recipes", "recipes/tiny.yaml", "--seq_len", "1000"]))
 
 
-@pytest.mark.parametrize("values, top", [([3.94, 3.93], None), ([9.0, 2.1, 0.8], 3.0)])
+@pytest.mark.parametrize("values, top", [([3.94, 3.93], None), ([4.0, 3.5, 3.02], None), ([9.0, 2.1, 0.8], 3.0)])
 def test_the_curve_caps_its_axis_only_over_runs_that_reach_below_it(tmp_path, values, top):
-    """A short race whose curve stays above 3 bits per byte keeps its own axis (capping at 3 flipped it); a long
-    one's first validations are cut at 3, so the axis shows where the runs end."""
+    """A short race whose curve stays above 3 bits per byte keeps its own axis (capping at 3 flipped it, or hid
+    every point); a long one's first validations are cut at 3, so the axis shows where the runs end."""
     run = {"recipe": "recipes/a.yaml", "label": "a", "seed": 1, "curve": [[10.0 * i, i, v] for i, v in
                                                                            enumerate(values)]}
     env = {"date": "d", "device": "cpu", "torch": "t", "triton": "-"}

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks import balance, kda_accuracy, kda_first_call, moe
-from benchmarks.results import add_fit_args_argument, check_recipes, command, load_json, write_result, write_section
+from benchmarks.results import (
+    add_fit_args_argument,
+    check_outputs,
+    check_recipes,
+    command,
+    load_json,
+    write_result,
+    write_section,
+)
 
 ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -59,15 +67,18 @@ def test_write_result_writes_the_file_it_is_given_or_none(tmp_path, capsys):
 
 def test_a_bad_from_json_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^--from_json .*nope\.json: no such file$"):
-        load_json(tmp_path / "nope.json", "runs")
+        load_json(tmp_path / "nope.json", ("runs",))
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(SystemExit, match=r"^--from_json .*bad\.json: not JSON"):
-        load_json(tmp_path / "bad.json", "runs")
+        load_json(tmp_path / "bad.json", ("runs",))
     (tmp_path / "other.json").write_text('{"rows": []}')
     with pytest.raises(SystemExit, match=r"^--from_json .*other\.json: not a stored run of benchmarks/.* \(it has no "
                                          r"'runs'\); give the file its --json wrote$"):
-        load_json(tmp_path / "other.json", "runs")
-    assert load_json(tmp_path / "other.json", "rows") == {"rows": []}
+        load_json(tmp_path / "other.json", ("rows", "runs"))
+    assert load_json(tmp_path / "other.json", ("rows",)) == {"rows": []}
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(SystemExit, match=r"it has no 'rows'"):
+        load_json(tmp_path / "list.json", ("rows",))
 
 
 def test_fit_args_take_the_rest_of_the_command_line():
@@ -79,6 +90,15 @@ def test_fit_args_take_the_rest_of_the_command_line():
     a = p.parse_args(["--seeds", "1", "--fit_args", "--trainer.max_time=null", "--optim.lr", "3e-3"])
     assert a.seeds == [1] and a.fit_args == ["--trainer.max_time=null", "--optim.lr", "3e-3"]
     assert p.parse_args([]).fit_args == []
+
+
+def test_outputs_into_a_missing_folder_are_refused_before_anything_runs(tmp_path):
+    import argparse
+
+    check_outputs(argparse.Namespace(json=str(tmp_path / "r.json"), results="none"))
+    for option in ("json", "png", "results"):
+        with pytest.raises(SystemExit, match=rf"^--{option} .*: no folder .*nope to write it to$"):
+            check_outputs(argparse.Namespace(**{option: str(tmp_path / "nope" / "x")}))
 
 
 def test_a_missing_recipe_is_named_with_the_shipped_ones(tmp_path):

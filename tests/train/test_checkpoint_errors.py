@@ -119,7 +119,7 @@ def test_a_sharded_checkpoint_under_one_device_strategy_names_the_strategy_that_
 
 
 def test_a_run_folder_given_for_a_checkpoint_names_the_file_to_pass(written):
-    folder = written["file"].parent
-    with pytest.raises(CheckpointError, match=rf"a folder without \.metadata .*; pass one of its checkpoint files, "
-                                              rf"e\.g\. {folder / 'last.ckpt'}$"):
-        check_checkpoint(folder)
+    for folder in (written["file"].parent, written["file"].parents[1]):  # the checkpoints folder, the run folder
+        with pytest.raises(CheckpointError, match=rf"a folder without \.metadata .*; pass one of its checkpoint "
+                                                  rf"files, e\.g\. {written['file']}$"):
+            check_checkpoint(folder)
