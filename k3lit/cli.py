@@ -580,9 +580,9 @@ def positions_main(argv: list[str]) -> None:
         results.append(pos.evaluate_length(model, blocks, byte_table, edges, torch.bfloat16 if bf16 else None,
                                            window=args.window or train_len))
     c = model.config
-    mixers = "KDA state and attention" if "K" in c.layer_pattern else "attention"
+    mixers, run = ("KDA state and attention", "run") if "K" in c.layer_pattern else ("attention", "runs")
     across = (f"each document restarts {mixers} (document_masking)" if c.document_masking
-              else f"{mixers} run across document boundaries within a block")
+              else f"{mixers} {run} across document boundaries within a block")
     reach = (f"; softmax attention over the last {c.attn_window} tokens" if c.attn_window else "") + (
         f"; queries scaled by log-n beyond {c.attn_logn_base} positions" if c.attn_logn_base else "")
     print(f"held-out bits per byte by position bucket: {args.ckpt} (trained at seq_len {train_len}) on "
