@@ -35,12 +35,14 @@ def test_three_modes_of_one_recipe(tmp_path):
     text = table(result)
     assert text.count("| `r` |") == 3 and "| cold, no precompile |" in text and "| warm |" in text
     warm = result["rows"][2]
-    after = warm["process_s"] - warm["setup_s"] - warm["training_s"]
+    after = max(0.0, warm["process_s"] - warm["setup_s"] - warm["training_s"])  # training_s: whole seconds
     parts = "; ".join(f"{name} {x:.1f}" for name, x in warm["setup_parts_s"].items())
     row = (f"| warm | {warm['setup_s']:.1f} ({parts}) | {warm['first_step_s']:.1f} | {after:.0f} | "
            f"{warm['process_s']:.1f} |")
     assert row in text
     assert "Not measured" not in text
+    short = {**warm, "process_s": warm["setup_s"] + warm["training_s"] - 0.3}  # the second rounded up
+    assert "| -0 |" not in table({**result, "rows": [short]}) and "| 0 |" in table({**result, "rows": [short]})
     cut = table({**result, "rows": result["rows"][:2]})  # a run that ended before its warm row
     assert cut.count("| `r` |") == 2 and cut.endswith("Not measured (the run ended first): `r` warm.")
 
