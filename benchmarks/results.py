@@ -128,10 +128,13 @@ def load_json(path: str | Path, keys: tuple[str, ...]) -> dict:
         raise SystemExit(f"--from_json {path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"--from_json {path}: not JSON ({e})") from None
-    missing = [k for k in keys if k not in result] if isinstance(result, dict) else list(keys)
+    if not isinstance(result, dict):
+        raise SystemExit(f"--from_json {path}: not a stored run of {name} (a JSON {type(result).__name__}, not an "
+                         "object); give the file its --json wrote")
+    missing = [k for k in keys if k not in result]
     if missing:
         raise SystemExit(f"--from_json {path}: not a stored run of {name} (it has no {missing[0]!r}); give the file "
-                         "its --json wrote") from None
+                         "its --json wrote")
     return result
 
 

@@ -110,7 +110,7 @@ GRAPHS = ("sublayer_graphs", "cudagraphs")  # the compile settings that replay C
 
 
 def check_run(device: str, compiles: list[str], warmup: int, steps: int, kda_backend: str | None = None,
-              rows: list[str] = ()) -> None:
+              rows: tuple[str, ...] | list[str] = ()) -> None:
     """Refuse, in one line and before any model is built, what :func:`bench` cannot time here.
 
     Raises:
